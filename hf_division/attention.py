@@ -1,0 +1,91 @@
+"""Division through Transformers' attention interface.
+
+For a model using attention implementation ``impl`` ("eager", "sdpa", ...), we register
+``division_<impl>`` in ``ALL_ATTENTION_FUNCTIONS`` (and the same mask function in
+``ALL_MASK_ATTENTION_FUNCTIONS``) and point the model's config at it. The registered function calls
+the original one, so the forward is bit-identical, but keeps only compressed q/k/v for backward.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+from . import store
+from .functions import AttentionFn
+
+PREFIX = "division_"
+CONFIG_ATTR = "_division_config"  # set on each module of a patched model
+
+
+def original_attention(impl: str, module: torch.nn.Module):
+    """The attention function the unpatched model would call for ``module``."""
+    if impl == "eager":
+        fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if fn is None:
+            raise TypeError(f"{type(module).__name__} has no eager_attention_forward in its modeling file")
+        return fn
+    return ALL_ATTENTION_FUNCTIONS[impl]
+
+
+def _make(impl: str):
+    def division_attention(module, query, key, value, attention_mask, **kwargs):
+        orig = original_attention(impl, module)
+        config = getattr(module, CONFIG_ATTR, None)
+        if (
+            config is None
+            or config.bits("attention") == 0
+            or not (torch.is_grad_enabled() and module.training)
+            or not (query.requires_grad or key.requires_grad or value.requires_grad)
+            or kwargs.get("output_attentions")
+        ):
+            return orig(module, query, key, value, attention_mask, **kwargs)
+        if isinstance(attention_mask, torch.Tensor):
+            store.account_tensors([attention_mask], "attention")
+
+        def call(q, k, v):
+            return orig(module, q, k, v, attention_mask, **kwargs)[0]
+
+        return AttentionFn.apply(query, key, value, call, config), None
+
+    division_attention.__name__ = f"{PREFIX}{impl}"
+    return division_attention
+
+
+def register(impl: str) -> str:
+    """Register ``division_<impl>`` once; return its name."""
+    if impl.startswith(PREFIX):
+        return impl
+    name = PREFIX + impl
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(name, _make(impl))
+    if name not in ALL_MASK_ATTENTION_FUNCTIONS and impl in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[impl])
+    return name
+
+
+def text_configs(config) -> list:
+    """The config and its sub-configs that carry an attention implementation."""
+    found = [config]
+    for key in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, key, None)
+        if sub is not None:
+            found.append(sub)
+    return found
+
+
+def switch(model) -> list[tuple[object, str]]:
+    """Point every config of ``model`` at its division twin; return what to restore."""
+    saved = []
+    for cfg in text_configs(model.config):
+        impl = cfg._attn_implementation or "eager"
+        saved.append((cfg, cfg._attn_implementation_internal))
+        cfg._attn_implementation_internal = register(impl)
+    return saved
+
+
+def restore(saved: list[tuple[object, str]]) -> None:
+    for cfg, impl in saved:
+        cfg._attn_implementation_internal = impl

@@ -1,0 +1,36 @@
+"""Gradient fidelity: cosine between the exact gradient and the division gradient."""
+from __future__ import annotations
+
+import torch
+
+from .config import DivisionConfig
+from .patching import apply_division, division_config_of, remove_division
+
+
+def flat_grad(model: torch.nn.Module, inputs: dict, seed: int) -> torch.Tensor:
+    """All parameter gradients of one training step on ``inputs`` (``labels`` included), flattened."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    model(**inputs).loss.backward()
+    grads = [p.grad.flatten().float() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    return torch.cat(grads)
+
+
+def gradient_cosine(model, inputs: dict, config: DivisionConfig | None = None, seeds=(0, 1, 2)) -> list[float]:
+    """Cosine of the division gradient to the exact one, per seed (same dropout masks: same seed)."""
+    before = division_config_of(model)
+    out = []
+    try:
+        for seed in seeds:
+            remove_division(model)
+            exact = flat_grad(model, inputs, seed)
+            apply_division(model, config or before or DivisionConfig())
+            approx = flat_grad(model, inputs, seed)
+            out.append(torch.nn.functional.cosine_similarity(exact, approx, dim=0).item())
+    finally:
+        remove_division(model)
+        if before is not None:
+            apply_division(model, before)
+    return out

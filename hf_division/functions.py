@@ -1,0 +1,156 @@
+"""Autograd glue: ops whose forward is the original op and whose saved tensors are compressed.
+
+Each forward computes exactly what the unpatched op computes (same kernels, same RNG draws), so
+training outputs are bit-identical; only what is kept for backward changes. Policy (which bits for
+which kind) comes from the :class:`~hf_division.config.DivisionConfig` passed in.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from . import compressor, store
+from .config import DivisionConfig
+
+
+class LinearFn(torch.autograd.Function):
+    """``F.linear(x, weight, bias)``; keeps ``x`` compressed, and only if the weight needs a grad."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, config: DivisionConfig, kind: str):
+        ctx.entry = store.keep(x, kind, config) if weight.requires_grad else None
+        ctx.save_for_backward(weight)
+        ctx.has_bias = bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        (weight,) = ctx.saved_tensors
+        gx = gw = gb = None
+        if ctx.needs_input_grad[0]:
+            gx = grad.matmul(weight.to(grad.dtype))
+        g2 = grad.reshape(-1, grad.shape[-1])
+        if ctx.entry is not None and ctx.needs_input_grad[1]:
+            x = ctx.entry.get()
+            gw = g2.t().matmul(x.reshape(-1, x.shape[-1]).to(grad.dtype)).to(weight.dtype)
+            ctx.entry.done()
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            gb = g2.sum(0).to(weight.dtype)
+        return gx, gw, gb, None, None
+
+
+class RecomputeFn(torch.autograd.Function):
+    """``y = fn(x)`` for an elementwise/normalization ``fn`` with parameters ``params``.
+
+    Keeps ``x`` compressed; backward recomputes ``fn`` on the rebuilt ``x`` under autograd.
+    ``y`` is declared derivable from the same copy, so the next layer saving ``y`` adds nothing.
+    """
+
+    @staticmethod
+    def forward(ctx, fn: Callable, config: DivisionConfig, kind: str, x, *params):
+        y = fn(x)
+        ctx.fn, ctx.entry = fn, store.keep(x, kind, config)
+        ctx.save_for_backward(*params)
+        store.derive(y, ctx.entry, _no_grad(fn))
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        params = ctx.saved_tensors
+        x = ctx.entry.get().detach().requires_grad_(ctx.needs_input_grad[3])
+        ctx.entry.done()
+        wanted = [t for t, need in zip((x, *params), ctx.needs_input_grad[3:]) if need]
+        grads = iter(())
+        if wanted:
+            with torch.enable_grad():
+                y = ctx.fn(x)
+            grads = iter(torch.autograd.grad(y, wanted, grad, allow_unused=True))
+        out = [next(grads) if need else None for need in ctx.needs_input_grad[3:]]
+        return (None, None, None, *out)
+
+
+def _no_grad(fn):
+    def run(x):
+        with torch.no_grad():
+            return fn(x)
+
+    return run
+
+
+class DropoutFn(torch.autograd.Function):
+    """``F.dropout(x, p, training=True)`` with the mask kept as 1 bit per element.
+
+    Reproduces ATen's own arithmetic so the output is bit-identical: on CPU
+    ``x * bernoulli(1 - p) / (1 - p)``, elsewhere the fused ``native_dropout``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, p: float):
+        if x.is_cuda or x.device.type not in ("cpu", "meta"):
+            out, keep_mask = torch.native_dropout(x, p, True)
+        else:
+            noise = torch.empty_like(x).bernoulli_(1 - p)
+            noise.div_(1 - p)
+            out = x * noise
+            keep_mask = noise != 0
+        flat = keep_mask.reshape(-1)
+        n = flat.numel()
+        padded = F.pad(flat.to(torch.uint8), (0, -n % 8))
+        ctx.bits = compressor.pack_bits(padded, 1)
+        ctx.n, ctx.shape, ctx.p, ctx.dtype = n, x.shape, p, x.dtype
+        store.account_tensors([ctx.bits], "dropout")
+        parent = store.lookup(x)
+        if parent is not None:
+            store.derive(out, parent, lambda t, c=ctx: t * DropoutFn.noise(c), extra=[ctx.bits])
+        return out
+
+    @staticmethod
+    def noise(ctx) -> torch.Tensor:
+        mask = compressor.unpack_bits(ctx.bits, 1)[: ctx.n].view(ctx.shape)
+        return mask.to(ctx.dtype).div_(1 - ctx.p)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        return grad * DropoutFn.noise(ctx).to(grad.dtype), None
+
+
+class AttentionFn(torch.autograd.Function):
+    """An attention function ``attn(module, q, k, v, mask, **kw) -> (out, weights)``.
+
+    Keeps q, k, v compressed (``(B, heads, T, d)``, token axis -2) and the RNG state; backward
+    recomputes the attention under autograd with the same dropout mask. The ``T x T`` maps are
+    never stored, which is what makes long sequences cheap.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, call: Callable, config: DivisionConfig):
+        ctx.call, ctx.devices = call, [q.device] if q.is_cuda else []
+        ctx.rng = torch.get_rng_state()
+        ctx.cuda_rng = torch.cuda.get_rng_state(q.device) if q.is_cuda else None
+        out = call(q, k, v)
+        ctx.entries = [store.keep(t, "attention", config) for t in (q, k, v)]
+        store.account_tensors([ctx.rng] + ([ctx.cuda_rng] if ctx.cuda_rng is not None else []), "attention")
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        qkv = []
+        for entry, need in zip(ctx.entries, ctx.needs_input_grad[:3]):
+            qkv.append(entry.get().detach().requires_grad_(need))
+            entry.done()
+        with torch.random.fork_rng(devices=ctx.devices):
+            torch.set_rng_state(ctx.rng)
+            if ctx.cuda_rng is not None:
+                torch.cuda.set_rng_state(ctx.cuda_rng, ctx.devices[0])
+            with torch.enable_grad():
+                out = ctx.call(*qkv)
+        wanted = [t for t in qkv if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
+        return (*(next(grads) if t.requires_grad else None for t in qkv), None, None)

@@ -1,0 +1,166 @@
+"""Saved-activation entries: one compressed copy per tensor, shared by every op that keeps it.
+
+An :class:`Entry` is either a :class:`~hf_division.compressor.Packed` tensor or a recipe
+``fn(parent)`` (e.g. a LayerNorm output is rebuilt from its compressed input). The registry maps a
+*live* tensor to its entry so that the next op saving the same tensor reuses it. It is keyed on
+``id(t)`` and validated through a weak reference to ``t``: keying on ``data_ptr`` is unsafe because
+memory freed during the forward is reused at the same address for another tensor.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import torch
+
+from . import compressor
+from .config import DivisionConfig
+
+
+class Entry:
+    """A saved activation held for backward. ``get()`` rebuilds it; ``done()`` marks one use."""
+
+    __slots__ = ("packed", "parent", "fn", "kind", "extra", "uses", "_cache", "__weakref__")
+
+    def __init__(self, kind: str, packed=None, parent: Entry | None = None, fn: Callable | None = None, extra=()):
+        self.packed, self.parent, self.fn, self.kind = packed, parent, fn, kind
+        self.extra = tuple(extra)  # tensors a recipe needs (e.g. a dropout mask), for accounting
+        self.uses = 0  # consumers that have not run their backward yet
+        self._cache = None
+        _account(self)
+
+    def get(self) -> torch.Tensor:
+        """The rebuilt tensor; kept until its last consumer is done so it is decompressed once."""
+        if self._cache is not None:
+            return self._cache
+        if self.packed is not None:
+            value = compressor.decompress(self.packed)
+        else:
+            value = self.fn(self.parent.get())
+            self.parent.done()
+        if self.uses > 1:
+            self._cache = value
+        return value
+
+    def done(self) -> None:
+        self.uses -= 1
+        if self.uses <= 0:
+            self._cache = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        p = self.packed
+        own = [t for t in (p.packed, p.lo, p.scale, p.lfc) if t is not None] if p is not None else []
+        return own + list(self.extra)
+
+
+# ----------------------------------------------------------------------------- registry
+_live: dict[int, tuple[weakref.ref, int, Entry]] = {}
+
+
+def lookup(t: torch.Tensor) -> Entry | None:
+    rec = _live.get(id(t))
+    if rec is not None and rec[0]() is t and rec[1] == t._version:
+        return rec[2]
+    return None
+
+
+def register(t: torch.Tensor, entry: Entry) -> None:
+    key = id(t)
+
+    def _drop(ref, key=key):
+        if _live.get(key, (None,))[0] is ref:
+            del _live[key]
+
+    _live[key] = (weakref.ref(t, _drop), t._version, entry)
+
+
+def keep(t: torch.Tensor, kind: str, config: DivisionConfig) -> Entry:
+    """The entry holding ``t`` for one more consumer: reused if ``t`` is already held."""
+    entry = lookup(t)
+    if entry is None:
+        entry = Entry(kind, packed=pack(t, kind, config))
+        register(t, entry)
+    entry.uses += 1
+    return entry
+
+
+def derive(t: torch.Tensor, parent: Entry, fn: Callable, extra=()) -> None:
+    """Declare that ``t == fn(parent)`` so a later consumer of ``t`` stores nothing new."""
+    entry = Entry(parent.kind, parent=parent, fn=fn, extra=extra)
+    parent.uses += 1
+    register(t, entry)
+    weakref.finalize(t, _release_unused, weakref.ref(entry))
+
+
+def _release_unused(ref):
+    # ``t`` died; if no consumer took the recipe, give its use of the parent back
+    entry = ref()
+    if entry is not None and entry.uses == 0:
+        entry.parent.done()
+
+
+_generators: dict[torch.device, tuple[int, torch.Generator]] = {}
+
+
+def noise_generator(device: torch.device) -> torch.Generator:
+    """A generator of our own for rounding noise, so the model's RNG stream (dropout) is untouched
+    and the training forward stays bit-identical. Reseeded from ``torch.initial_seed()`` whenever
+    the user reseeds, so runs are reproducible under ``torch.manual_seed``."""
+    seed = torch.initial_seed()
+    cached = _generators.get(device)
+    if cached is None or cached[0] != seed:
+        gen = torch.Generator(device=device)
+        gen.manual_seed((seed ^ 0x5EED_D1F1) & 0xFFFF_FFFF_FFFF)
+        cached = _generators[device] = (seed, gen)
+    return cached[1]
+
+
+def pack(t: torch.Tensor, kind: str, config: DivisionConfig) -> compressor.Packed:
+    bits = config.bits(kind)
+    if t.numel() < config.min_numel or not t.is_floating_point():
+        bits = 0
+    return compressor.compress(
+        t.detach(),
+        bits=bits,
+        block_size=config.effective_block_size,
+        group_size=config.group_size,
+        lfc_dtype=config.torch_lfc_dtype,
+        token_dim=-2 if t.dim() >= 2 else None,
+        stochastic=config.rounding == "stochastic",
+        channel_scale=config.channel_scale and config.method == "division",
+        generator=noise_generator(t.device),
+    )
+
+
+# ----------------------------------------------------------------------------- accounting
+_accounting: list | None = None
+
+
+def _account(entry: Entry) -> None:
+    if _accounting is not None:
+        _accounting.append((weakref.ref(entry), None))
+
+
+def account_tensors(tensors, kind: str) -> None:
+    """Report tensors an op holds for backward outside any entry (masks, RNG states)."""
+    if _accounting is not None:
+        _accounting.extend((weakref.ref(t), kind) for t in tensors)
+
+
+def start_accounting() -> None:
+    global _accounting
+    _accounting = []
+
+
+def stop_accounting() -> list[tuple[torch.Tensor, str]]:
+    """``(tensor, kind)`` for what ops created since ``start_accounting`` still hold."""
+    global _accounting
+    refs, _accounting = _accounting or [], None
+    held = []
+    for ref, kind in refs:
+        obj = ref()
+        if isinstance(obj, Entry):
+            held.extend((t, obj.kind) for t in obj.tensors())
+        elif obj is not None:
+            held.append((obj, kind))
+    return held

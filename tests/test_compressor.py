@@ -1,0 +1,109 @@
+import math
+
+import pytest
+import torch
+
+from hf_division.compressor import compress, decompress, pack_bits, rounding_noise, unpack_bits
+
+
+def _step_per_element(p, x):
+    """Each element's quantization step (scale of its group, undone channel scale)."""
+    return p.scale.float()
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_pack_roundtrip(bits):
+    q = torch.randint(0, 2**bits, (4096,), dtype=torch.uint8)
+    p = pack_bits(q, bits)
+    assert p.numel() == 4096 * bits // 8
+    assert torch.equal(unpack_bits(p, bits), q)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("channel_scale", [True, False])
+def test_error_bound(bits, channel_scale):
+    x = torch.randn(3, 40, 96) * torch.linspace(0.1, 20, 96)  # outlier channels
+    p = compress(x, bits=bits, group_size=64, channel_scale=channel_scale)
+    err = (decompress(p) - x).abs()
+    # bound: one step of the group, scaled back by the channel scale, plus fp32 rounding
+    cs = p.cscale if p.cscale is not None else torch.ones(96)
+    step = p.scale.float().max() * cs.max()
+    assert err.max() <= step * 1.001 + 1e-5
+    # the mean error shrinks with bits (halving per bit at least roughly)
+    assert err.mean() < step
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_nearest_error_is_half_step(bits):
+    x = torch.randn(2, 16, 64)
+    p = compress(x, bits=bits, group_size=64, stochastic=False, channel_scale=False, block_size=1)
+    step = p.scale.float().repeat_interleave(64)[: x.numel()].view_as(x)
+    assert ((decompress(p) - x).abs() <= step * 0.5 + 1e-6).all()
+
+
+def test_stochastic_rounding_is_unbiased():
+    # mean of K independent compressions converges to x; a biased rounding would leave a
+    # systematic error many standard errors away from zero
+    torch.manual_seed(0)
+    x = torch.randn(1, 64, 32)
+    K = 400
+    acc = torch.zeros_like(x)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(K):
+        p = compress(x, bits=2, group_size=64, generator=g)
+        acc += decompress(p)
+    mean_err = acc / K - x
+    step = p.scale.float().max() * p.cscale.max()
+    # per-element standard error <= step / 2 / sqrt(K); test the average over all elements
+    se = step / 2 / math.sqrt(K) / math.sqrt(x.numel())
+    assert mean_err.mean().abs() < 4 * se
+    # and each element is within 5 standard errors
+    assert (mean_err.abs() < 5 * step / 2 / math.sqrt(K)).all()
+    # nearest rounding, by contrast, is biased per element (sanity check the test can fail)
+    p = compress(x, bits=2, group_size=64, stochastic=False)
+    assert ((decompress(p) - x).abs() > 5 * step / 2 / math.sqrt(K)).any()
+
+
+def test_rounding_noise_uniform():
+    u = rounding_noise(1 << 20, torch.device("cpu"), torch.Generator().manual_seed(0))
+    assert u.min() > 0 and u.max() < 1
+    assert abs(u.mean().item() - 0.5) < 0.002
+    hist = torch.histc(u, bins=16, min=0, max=1) / u.numel()
+    assert (hist - 1 / 16).abs().max() < 0.002
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 16), (2, 5, 16), (1, 9, 24), (3, 8, 8), (7, 40), (13,), (2, 3, 17, 10)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_shapes_and_dtypes(shape, dtype):
+    x = torch.randn(shape).to(dtype)
+    p = compress(x, bits=4, group_size=32)
+    y = decompress(p)
+    assert y.shape == x.shape and y.dtype == dtype and y.is_contiguous()
+    assert (y.float() - x.float()).abs().max() < 0.5 * x.float().abs().max() + 1e-3
+
+
+def test_non_contiguous_and_token_dim():
+    base = torch.randn(4, 12, 30, 16)
+    x = base.transpose(1, 2)  # (4, 30, 12, 16), token axis 1
+    p = compress(x, bits=8, group_size=64, token_dim=1)
+    assert (decompress(p) - x).abs().max() < 0.05
+
+
+def test_exact_bytes():
+    x = torch.randn(4, 100, 96)  # 100 tokens: partial last block
+    bits, g, b = 2, 256, 8
+    p = compress(x, bits=bits, group_size=g, block_size=b)
+    nblocks = math.ceil(100 / b)
+    hfc_elems = 4 * nblocks * b * 96
+    groups = math.ceil(hfc_elems / g)
+    expect = groups * g * bits // 8 + groups * 2 * 2 + 4 * nblocks * 96 * 2 + 96 * 4
+    assert p.nbytes == expect
+    assert p.nbytes < x.numel() * 4 / 7  # 2-bit HFC + bf16 LFC per 8 tokens ~ 4.1 bits
+
+
+def test_nonfinite_propagates():
+    x = torch.randn(2, 16, 32)
+    x[0, 3, 5] = float("nan")
+    x[1, 7, 1] = float("inf")
+    y = decompress(compress(x, bits=2, group_size=32))
+    assert not torch.isfinite(y[0]).all() and not torch.isfinite(y[1]).all()
