@@ -8,7 +8,7 @@ ENCODER_TYPES = ["bert", "roberta", "xlm-roberta", "electra", "distilbert"]
 
 
 def tiny_config(model_type: str, attn: str = "eager", **kw):
-    common = dict(vocab_size=128, max_position_embeddings=96, num_labels=3)
+    common = dict(vocab_size=128, max_position_embeddings=160, num_labels=3)
     if model_type == "distilbert":
         sizes = dict(dim=64, n_layers=2, n_heads=4, hidden_dim=128)
     else:

@@ -1,0 +1,145 @@
+"""Public API, bad input, sharing, PEFT."""
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import hf_division as hd
+from hf_division import store
+from hf_division.config import DivisionConfig
+from hf_division.fidelity import flat_grad, gradient_cosine
+
+from conftest import tiny_batch, tiny_model
+
+
+def test_supported_model_types():
+    assert {"bert", "roberta", "xlm-roberta", "distilbert", "electra"} <= set(hd.supported_model_types())
+
+
+def test_unsupported_type_names_it():
+    cfg = AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    model = AutoModelForCausalLM.from_config(cfg)
+    with pytest.raises(ValueError, match="gpt2.*supported: .*bert"):
+        hd.apply_division(model)
+    assert "forward" not in model.transformer.h[0].attn.c_attn.__dict__
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("linear_bits", 3), ("norm_bits", -1), ("block_size", 0), ("group_size", 12), ("lfc_dtype", "int4"),
+     ("method", "gact"), ("rounding", "up"), ("min_numel", -5), ("attention_bits", True)],
+)
+def test_bad_config_names_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        DivisionConfig(**{field: value})
+
+
+def test_reapply_with_other_config_repatches(batch):
+    model = tiny_model("bert")
+    hd.apply_division(model, DivisionConfig(linear_bits=4))
+    hd.apply_division(model, DivisionConfig(linear_bits=8))
+    from hf_division.patching import division_config_of
+
+    assert division_config_of(model).linear_bits == 8
+    hd.remove_division(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_failed_patch_leaves_nothing(monkeypatch):
+    import model_patches
+
+    def broken(model, state):
+        model_patches.PATCHERS["distilbert"](model, state)
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(model_patches.PATCHERS, "bert", broken)
+    model = tiny_model("bert")
+    impl = model.config._attn_implementation
+    with pytest.raises(RuntimeError):
+        hd.apply_division(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert model.config._attn_implementation == impl
+
+
+def test_shared_tensor_stored_once_and_keyed_on_live_reference():
+    cfg = DivisionConfig()
+    x = torch.randn(2, 64, 64)
+    a = store.keep(x, "linear", cfg)
+    b = store.keep(x, "linear", cfg)
+    assert a is b and a.uses == 2
+    x.add_(1)  # modified in place: a stale copy must not be reused
+    assert store.lookup(x) is None
+    # memory freed in the forward is reused at the same address for another tensor
+    y = torch.randn(4096)
+    store.keep(y, "linear", cfg)
+    ptr = y.data_ptr()
+    del y
+    z = torch.randn(4096)
+    if z.data_ptr() == ptr:  # the allocator reused the block: the key must not match
+        assert store.lookup(z) is None
+    assert store.lookup(z) is None
+
+
+def test_qkv_share_one_copy():
+    model = tiny_model("bert", "eager")
+    batch = tiny_batch(batch=2, seq=64)
+    model.train()
+    hd.apply_division(model, DivisionConfig(attention_bits=0, norm_bits=0, activation_bits=0))
+    store.start_accounting()
+    out = model(**batch)
+    held = store.stop_accounting()
+    linear = [t for t, k in held if k == "linear"]
+    # per layer: one copy for the q/k/v input and one each for the other 3 linear inputs (6
+    # linears); pooler/classifier inputs are below min_numel and kept as they are
+    packed_copies = {id(t) for t in linear if t.dtype == torch.uint8}
+    assert len(packed_copies) == 2 * 4
+    del out
+
+
+def test_dropout_mask_is_bits():
+    from hf_division.functions import DropoutFn
+
+    x = torch.randn(3, 50, 64, requires_grad=True)
+    torch.manual_seed(0)
+    y = DropoutFn.apply(x, 0.1)
+    torch.manual_seed(0)
+    ref = torch.nn.functional.dropout(x, 0.1, training=True)
+    assert torch.equal(y, ref)
+    assert y.grad_fn.bits.numel() == -(-x.numel() // 8)
+    y.sum().backward()
+    assert torch.equal(x.grad, (ref != 0).float() / 0.9)
+
+
+@pytest.mark.parametrize("shape,pad", [((1, 40), None), ((3, 1), None), ((4, 64), [64, 5, 1, 30])])
+def test_small_and_padded_batches(shape, pad):
+    model = tiny_model("roberta", "sdpa")
+    batch = tiny_batch(batch=shape[0], seq=shape[1], pad_from=pad)
+    cos = gradient_cosine(model, batch, seeds=(0,))
+    assert cos[0] > 0.95
+
+
+def test_nonfinite_activations_propagate_like_baseline(batch):
+    model = tiny_model("bert", "eager")
+    with torch.no_grad():
+        model.bert.embeddings.word_embeddings.weight[batch["input_ids"][0, 3]] = float("nan")
+    base = flat_grad(model, batch, 0)
+    hd.apply_division(model)
+    div = flat_grad(model, batch, 0)
+    assert not torch.isfinite(base).all()
+    assert not torch.isfinite(div).all()
+
+
+def test_peft_lora_wrapped_model(batch):
+    peft = pytest.importorskip("peft")
+    model = tiny_model("bert", "sdpa")
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["query", "value"], task_type="SEQ_CLS"))
+    torch.manual_seed(0)
+    ref = lora(**batch).logits
+    assert hd.apply_division(lora) is lora
+    torch.manual_seed(0)
+    out = lora(**batch)
+    assert torch.equal(out.logits, ref)
+    out.loss.backward()
+    a = lora.base_model.model.bert.encoder.layer[0].attention.self.query.lora_A["default"]
+    assert a.weight.grad is not None and "forward" in a.__dict__
+    hd.remove_division(lora)
+    assert "forward" not in a.__dict__

@@ -1,0 +1,92 @@
+"""One conformance suite, parametrized over every registered model type and attention impl."""
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification
+
+import hf_division as hd
+from hf_division.fidelity import flat_grad, gradient_cosine
+
+from conftest import tiny_batch, tiny_model
+
+TYPES = hd.supported_model_types()
+IMPLS = ["eager", "sdpa"]
+
+
+def _forward(model, batch, seed):
+    torch.manual_seed(seed)
+    return model(**batch)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("model_type", TYPES)
+def test_training_forward_bit_identical(model_type, impl, batch):
+    model = tiny_model(model_type, impl).train()
+    ref = _forward(model, batch, 3).logits
+    hd.apply_division(model)
+    out = _forward(model, batch, 3).logits
+    assert torch.equal(ref, out)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("model_type", TYPES)
+def test_eval_and_no_grad_bit_identical(model_type, impl, batch):
+    model = tiny_model(model_type, impl)
+    model.eval()
+    ref = model(**batch).logits.detach()
+    hd.apply_division(model)
+    assert torch.equal(model(**batch).logits.detach(), ref)
+    model.train()
+    with torch.no_grad():
+        torch.manual_seed(0)
+        a = model(**batch).logits
+    hd.remove_division(model)
+    with torch.no_grad():
+        torch.manual_seed(0)
+        b = model(**batch).logits
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("model_type", TYPES)
+def test_gradient_fidelity_and_bytes(model_type, impl):
+    model = tiny_model(model_type, impl)
+    batch = tiny_batch(batch=4, seq=128)
+    cos = gradient_cosine(model, batch, seeds=(0, 1))
+    assert min(cos) >= 0.98, cos
+    mem = hd.measure_activation_memory(model, batch)
+    assert mem.ratio >= 4, mem.table()
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_remove_restores_exactly(model_type, batch):
+    model = tiny_model(model_type, "sdpa")
+    impl = model.config._attn_implementation
+    before = {name: dict(m.__dict__) for name, m in model.named_modules()}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    hd.apply_division(model)
+    assert model.config._attn_implementation != impl
+    hd.apply_division(model)  # idempotent
+    hd.remove_division(model)
+    hd.remove_division(model)  # no-op
+    assert model.config._attn_implementation == impl
+    after = {name: dict(m.__dict__) for name, m in model.named_modules()}
+    assert before.keys() == after.keys()
+    for name in before:
+        assert before[name].keys() == after[name].keys(), name
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    g0 = flat_grad(model, batch, 0)
+    g1 = flat_grad(tiny_model(model_type, "sdpa"), batch, 0)
+    assert torch.equal(g0, g1)
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_save_pretrained_reload_plain(model_type, batch, tmp_path):
+    model = tiny_model(model_type, "eager")
+    hd.apply_division(model)
+    flat_grad(model, batch, 0)
+    model.save_pretrained(tmp_path)
+    plain = AutoModelForSequenceClassification.from_pretrained(tmp_path)
+    assert plain.config._attn_implementation in ("eager", "sdpa")
+    sd = model.state_dict()
+    assert set(plain.state_dict()) == set(sd)
+    assert all(torch.equal(sd[k], v) for k, v in plain.state_dict().items())
