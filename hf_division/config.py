@@ -30,14 +30,14 @@ class DivisionConfig:
     """
 
     method: str = "division"  # "division" (LFC + HFC) or "actnn" (per-group 2-bit, no LFC)
-    block_size: int = 8  # tokens averaged into one LFC row
+    block_size: int = 16  # tokens averaged into one LFC row
     lfc_dtype: str = "bfloat16"
     group_size: int = 256  # HFC elements sharing one min/scale pair
     rounding: str = "stochastic"
     channel_scale: bool = True  # normalize HFC channels before grouping (outlier channels)
-    linear_bits: int = 2
+    linear_bits: int = 4
     attention_bits: int = 4
-    activation_bits: int = 2
+    activation_bits: int = 4
     norm_bits: int = 4
     min_numel: int = 4096  # smaller saved tensors are kept as they are
     dropout_bits: bool = True  # store dropout masks as 1 bit per element

@@ -49,14 +49,15 @@ def main(argv=None):
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2, attn_implementation=args.attn)
     batch = sst2_batch(tok, args.data)
-    cands = dict(CANDIDATES)
+    cands, extra_names = dict(CANDIDATES), set()
     for e in args.extra:
         name, js = e.split("=", 1)
         cands[name] = json.loads(js)
+        extra_names.add(name)
     rows = []
     print(f"{'policy':<30} {'MiB held':>9} {'ratio':>6} {'cos min':>8} {'cos mean':>8}")
     for name, kw in cands.items():
-        if args.only and name not in args.only:
+        if args.only is not None and name not in args.only and name not in extra_names:
             continue
         cfg = DivisionConfig(**kw)
         cos = gradient_cosine(model, batch, cfg, seeds=args.seeds)

@@ -1,0 +1,57 @@
+"""Training step time: baseline vs division vs activation checkpointing, interleaved, medians.
+
+python scripts/step_time.py [--batch 32 --seq 128 --rounds 7] [--attn sdpa] [--division_<field> V ...]
+
+Real MiniLM-L6. Each round times one step (forward + backward) of every method in turn, so
+machine noise hits all methods alike; the report gives each method's median and its ratio to
+the baseline's median.
+"""
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+from transformers import AutoModelForSequenceClassification, HfArgumentParser
+
+from hf_division import DivisionConfig, apply_division
+from hf_division.minilm import minilm_path
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--attn", default="sdpa", choices=["eager", "sdpa"])
+    ap.add_argument("--threads", type=int, default=2)
+    args, rest = ap.parse_known_args(argv)
+    (dc,) = HfArgumentParser(DivisionConfig).parse_args_into_dataclasses([a.replace("--division_", "--") for a in rest])
+    torch.set_num_threads(args.threads)
+    base = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=2, attn_implementation=args.attn)
+    methods = {"baseline": base, "division": apply_division(copy.deepcopy(base), dc)}
+    ckpt = copy.deepcopy(base)
+    ckpt.activation_checkpointing_enable()
+    methods["checkpointing"] = ckpt
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, 30000, (args.batch, args.seq), generator=g)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.zeros(args.batch, dtype=torch.long)}
+    times = {name: [] for name in methods}
+    for r in range(args.rounds + 1):
+        for name, model in methods.items():
+            model.train()
+            t0 = time.perf_counter()
+            model(**batch).loss.backward()
+            dt = time.perf_counter() - t0
+            model.zero_grad(set_to_none=True)
+            if r:  # round 0 warms up
+                times[name].append(dt)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"MiniLM-L6, batch {args.batch} x {args.seq}, attn {args.attn}, {args.rounds} interleaved rounds, {args.threads} threads")
+    print(f"{'method':<14} {'median s':>9} {'ratio':>6}")
+    for k, v in med.items():
+        print(f"{k:<14} {v:>9.3f} {v / med['baseline']:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()
