@@ -37,7 +37,7 @@ class Packed:
     cscale: torch.Tensor | None  # (C,) float32 per-channel divisor applied before grouping
     shape: torch.Size  # original shape
     dtype: torch.dtype  # original dtype
-    token_dim: int | None  # token axis in the original shape (None: no LFC)
+    layout: tuple | None  # (permutation to memory order, its shape, token axis in it); None: flat
     bits: int
     block_size: int
     group_size: int
@@ -121,7 +121,8 @@ def _quantize(flat: torch.Tensor, bits: int, group_size: int, noise: torch.Tenso
     lo32, s32 = lo16.float().unsqueeze(1), scale16.float().unsqueeze(1)
     inv = torch.where(s32 > 0, 1.0 / s32, torch.zeros_like(s32))
     y = torch.addcmul(noise.view_as(g) if noise is not None else torch.full_like(g, 0.5), g - lo32, inv)
-    q = y.floor_().clamp_(0, levels).to(torch.uint8)
+    # y > 0 by construction, so the truncating cast is the floor; clamp guards the top code
+    q = y.clamp_(0, levels).to(torch.uint8)
     return q.view(-1), lo16, scale16
 
 
@@ -157,19 +158,19 @@ def compress(
         return Packed(x, None, None, None, None, shape, dtype, None, 0, block_size, group_size)
     if bits not in (1, 2, 4, 8):
         raise ValueError(f"bits must be 0, 1, 2, 4 or 8, got {bits}")
-    if token_dim is None or x.dim() < 2:
-        token_dim, x3 = None, x.reshape(1, -1, 1).float()
+    layout = None
+    if token_dim is not None and x.dim() >= 2:
+        x3, layout = _to_tokens(x, token_dim % x.dim())
     else:
-        xt = x.movedim(token_dim, -2)
-        x3 = xt.reshape(-1, xt.shape[-2], xt.shape[-1]).float()
+        token_dim, x3 = None, x.reshape(1, -1, 1).float()
     lfc = None
     if token_dim is not None and block_size > 1:
         lfc, x3 = _split(x3, block_size, lfc_dtype)
     cscale = None
     if channel_scale and token_dim is not None:
-        cscale = x3.abs().amax(dim=(0, 1))
+        cscale = torch.maximum(x3.amax(dim=(0, 1)), x3.amin(dim=(0, 1)).neg_())
         cscale = torch.where(cscale > 0, cscale, torch.ones_like(cscale))
-        x3 = x3 / cscale
+        x3 = x3 * (1.0 / cscale)
     flat = x3.reshape(-1)
     n = flat.numel()
     padded = -(-n // group_size) * group_size
@@ -177,30 +178,47 @@ def compress(
         flat = torch.nn.functional.pad(flat, (0, padded - n))
     noise = rounding_noise(padded, flat.device, generator) if stochastic else None
     q, lo, scale = _quantize(flat, bits, group_size, noise)
-    return Packed(pack_bits(q, bits), lo, scale, lfc, cscale, shape, dtype, token_dim, bits, block_size, group_size)
+    return Packed(pack_bits(q, bits), lo, scale, lfc, cscale, shape, dtype, layout, bits, block_size, group_size)
 
 
 def decompress(p: Packed) -> torch.Tensor:
-    """Rebuild a tensor of ``p.shape`` and ``p.dtype`` (contiguous)."""
+    """Rebuild a tensor of ``p.shape`` and ``p.dtype`` (with the input's memory layout)."""
     if p.bits == 0:
         return p.packed
     q = unpack_bits(p.packed, p.bits).view(-1, p.group_size)
     flat = torch.addcmul(p.lo.float().unsqueeze(1), q.float(), p.scale.float().unsqueeze(1)).view(-1)
-    if p.token_dim is None:
+    if p.layout is None:
         return flat[: math.prod(p.shape)].view(p.shape).to(p.dtype)
-    moved = list(p.shape)
-    t = moved.pop(p.token_dim)
-    c = moved[-1]
-    lead = moved[:-1]
-    m = math.prod(lead)
+    perm, mem_shape, tdim = p.layout
+    m, t, c = math.prod(mem_shape[:tdim]), mem_shape[tdim], math.prod(mem_shape[tdim + 1 :])
+    tp = p.lfc.shape[1] * p.block_size if p.lfc is not None else t
+    x = flat[: m * tp * c].view(m, tp, c)
+    if p.cscale is not None:
+        x = x * p.cscale
     if p.lfc is not None:
         nb = p.lfc.shape[1]
-        x = flat[: m * nb * p.block_size * c].view(m, nb * p.block_size, c)
-        if p.cscale is not None:
-            x = x * p.cscale
-        x = (x.view(m, nb, p.block_size, c) + p.lfc.float().unsqueeze(2)).view(m, nb * p.block_size, c)[:, :t]
-    else:
-        x = flat[: m * t * c].view(m, t, c)
-        if p.cscale is not None:
-            x = x * p.cscale
-    return x.reshape(*lead, t, c).movedim(-2, p.token_dim).to(p.dtype).contiguous()
+        x = x.view(m, nb, p.block_size, c).add_(p.lfc.to(x.dtype).unsqueeze(2)).view(m, tp, c)
+        if tp != t:
+            x = x[:, :t].contiguous()
+    x = x.to(p.dtype).reshape(mem_shape)
+    inverse = [0] * len(perm)
+    for i, d in enumerate(perm):
+        inverse[d] = i
+    return x.permute(inverse)
+
+
+def _to_tokens(x: torch.Tensor, token_dim: int):
+    """View ``x`` as float32 ``(M, T, C)`` in its own memory order (no copy when dense).
+
+    Dims are ordered by stride; ``M`` is the product of the dims before the token axis and
+    ``C`` of those after it (e.g. attention q ``(B, H, T, d)`` stored as ``(B, T, H, d)`` gives
+    ``(B, T, H*d)``).
+    """
+    perm = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
+    xm = x.permute(perm)
+    tdim = perm.index(token_dim)
+    shape = tuple(xm.shape)
+    m, t, c = math.prod(shape[:tdim]), shape[tdim], math.prod(shape[tdim + 1 :])
+    if tdim == len(shape) - 1:  # token axis innermost: treat each token as one channel
+        c = 1
+    return xm.reshape(m, t, c).float(), (tuple(perm), shape, tdim)

@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import compressor, store
 from .config import DivisionConfig
@@ -120,12 +121,42 @@ class DropoutFn(torch.autograd.Function):
         return grad * DropoutFn.noise(ctx).to(grad.dtype), None
 
 
+class _DropoutMasks(TorchDispatchMode):
+    """Records the Bernoulli draws of dropout inside an op as bits, or replays recorded ones.
+
+    Dropout on CPU (``F.dropout`` and the math path of ``scaled_dot_product_attention``) draws
+    its mask with ``bernoulli_``, which costs ~12 ns per element here: replaying the bits in
+    backward is several times cheaper than redrawing them from a restored RNG state.
+    """
+
+    def __init__(self, replay: list | None = None):
+        super().__init__()
+        self.masks = [] if replay is None else replay
+        self.replay = replay is not None
+        self.used = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.bernoulli_.float:
+            target = args[0]
+            if self.replay and self.used < len(self.masks):
+                bits, n = self.masks[self.used]
+                self.used += 1
+                return target.copy_(compressor.unpack_bits(bits, 1)[:n].view(target.shape))
+            out = func(*args, **kwargs)
+            flat = (out != 0).reshape(-1)
+            self.masks.append((compressor.pack_bits(F.pad(flat.to(torch.uint8), (0, -flat.numel() % 8)), 1), flat.numel()))
+            return out
+        return func(*args, **kwargs)
+
+
 class AttentionFn(torch.autograd.Function):
     """An attention function ``attn(module, q, k, v, mask, **kw) -> (out, weights)``.
 
-    Keeps q, k, v compressed (``(B, heads, T, d)``, token axis -2) and the RNG state; backward
-    recomputes the attention under autograd with the same dropout mask. The ``T x T`` maps are
-    never stored, which is what makes long sequences cheap.
+    Keeps q, k, v compressed (``(B, heads, T, d)``, token axis -2) and the dropout mask as bits;
+    backward recomputes the attention under autograd with the same mask. The ``T x T`` maps are
+    never stored, which is what makes long sequences cheap. Fused kernels that draw their own
+    dropout (CUDA) are replayed from the saved RNG state instead.
     """
 
     @staticmethod
@@ -133,9 +164,12 @@ class AttentionFn(torch.autograd.Function):
         ctx.call, ctx.devices = call, [q.device] if q.is_cuda else []
         ctx.rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(q.device) if q.is_cuda else None
-        out = call(q, k, v)
+        with _DropoutMasks() as rec:
+            out = call(q, k, v)
+        ctx.masks = rec.masks
         ctx.entries = [store.keep(t, "attention", config) for t in (q, k, v)]
-        store.account_tensors([ctx.rng] + ([ctx.cuda_rng] if ctx.cuda_rng is not None else []), "attention")
+        held = [ctx.rng] + [b for b, _ in ctx.masks] + ([ctx.cuda_rng] if ctx.cuda_rng is not None else [])
+        store.account_tensors(held, "attention")
         return out
 
     @staticmethod
@@ -149,7 +183,7 @@ class AttentionFn(torch.autograd.Function):
             torch.set_rng_state(ctx.rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, ctx.devices[0])
-            with torch.enable_grad():
+            with torch.enable_grad(), _DropoutMasks(replay=ctx.masks):
                 out = ctx.call(*qkv)
         wanted = [t for t in qkv if t.requires_grad]
         grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
