@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -76,10 +77,13 @@ def _record_saved(model: nn.Module):
     def pack(t):
         if t.untyped_storage().data_ptr() not in params:
             saved.append((t, _kind_of(stack[-1] if stack else None)))
-        return t  # a strong reference: every counted storage stays alive, so data_ptrs are unique
+        # ``saved`` keeps every counted storage alive (so data_ptrs are distinct) until the caller
+        # drops it; the graph itself only gets a weak reference, because a graph holding a tensor
+        # that its own grad_fn saved (an op's output) is a cycle through C++ that is never freed
+        return weakref.ref(t)
 
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda ref: ref()):
             yield saved
     finally:
         for h in handles:
@@ -105,11 +109,14 @@ def held_bytes(model: nn.Module, inputs: dict) -> tuple[int, dict]:
     try:
         with _record_saved(unwrap(model)) as saved:
             out = model(**inputs)
-        held = saved + store.stop_accounting()
+            held = saved + store.stop_accounting()
+            total = _bytes(held)
     finally:
         store.stop_accounting()
-    total = _bytes(held)
-    del out
+        # the graph's saved-variable hooks keep a reference to ``pack`` and so to ``saved``; an
+        # op's saved output would then hold itself alive through C++: empty the list to free it
+        saved.clear()
+    del out, held
     return total
 
 

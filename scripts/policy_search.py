@@ -43,7 +43,10 @@ def main(argv=None):
     ap.add_argument("--only", nargs="*", help="names of candidates to run")
     ap.add_argument("--extra", action="append", default=[], help="NAME=JSON config to add")
     ap.add_argument("--json", help="write rows here")
+    ap.add_argument("--render", help="print a Markdown table of a JSON written by --json, and exit")
     args = ap.parse_args(argv)
+    if args.render:
+        return render(args.render)
     torch.set_num_threads(2)
     path = minilm_path()
     tok = AutoTokenizer.from_pretrained(path)
@@ -69,6 +72,19 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def render(path):
+    with open(path) as f:
+        rows = json.load(f)
+    print("| policy: changes from the default config | kinds changed, MiB baseline->division | total MiB baseline | total MiB division | ratio | cos min | cos mean |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        kinds = [k for k, (b, d) in r["by_kind"].items() if d < b]
+        detail = ", ".join(f"{k} {r['by_kind'][k][0] / 2**20:.0f}->{r['by_kind'][k][1] / 2**20:.1f}" for k in kinds) or "-"
+        cfg = ", ".join(f"{k}={v}" for k, v in r["config"].items()) or "(default)"
+        print(f"| {r['policy']}: `{cfg}` | {detail} | {r['baseline_bytes'] / 2**20:.0f} "
+              f"| {r['division_bytes'] / 2**20:.1f} | {r['ratio']:.1f} | {r['cos_min']:.4f} | {r['cos_mean']:.4f} |")
 
 
 if __name__ == "__main__":
