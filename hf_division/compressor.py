@@ -71,6 +71,18 @@ def unpack_bits(p: torch.Tensor, bits: int) -> torch.Tensor:
     return ((p.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).view(-1)
 
 
+def pack_mask(mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Any-shape bool/0-1 tensor -> (``ceil(n / 8)`` uint8 bytes, ``n``)."""
+    flat = (mask != 0).reshape(-1).to(torch.uint8)
+    n = flat.numel()
+    return pack_bits(torch.nn.functional.pad(flat, (0, -n % 8)), 1), n
+
+
+def unpack_mask(bits: torch.Tensor, n: int, shape) -> torch.Tensor:
+    """Inverse of :func:`pack_mask`: uint8 0/1 values of ``shape``."""
+    return unpack_bits(bits, 1)[:n].view(shape)
+
+
 # ----------------------------------------------------------------------------- noise
 def rounding_noise(n: int, device: torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
     """``n`` float32 samples of U(0, 1) at 16-bit resolution, for stochastic rounding.

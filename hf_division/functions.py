@@ -99,11 +99,8 @@ class DropoutFn(torch.autograd.Function):
             noise.div_(1 - p)
             out = x * noise
             keep_mask = noise != 0
-        flat = keep_mask.reshape(-1)
-        n = flat.numel()
-        padded = F.pad(flat.to(torch.uint8), (0, -n % 8))
-        ctx.bits = compressor.pack_bits(padded, 1)
-        ctx.n, ctx.shape, ctx.p, ctx.dtype = n, x.shape, p, x.dtype
+        ctx.bits, ctx.n = compressor.pack_mask(keep_mask)
+        ctx.shape, ctx.p, ctx.dtype = x.shape, p, x.dtype
         store.account_tensors([ctx.bits], "dropout")
         parent = store.lookup(x)
         if parent is not None:
@@ -112,8 +109,7 @@ class DropoutFn(torch.autograd.Function):
 
     @staticmethod
     def noise(ctx) -> torch.Tensor:
-        mask = compressor.unpack_bits(ctx.bits, 1)[: ctx.n].view(ctx.shape)
-        return mask.to(ctx.dtype).div_(1 - ctx.p)
+        return compressor.unpack_mask(ctx.bits, ctx.n, ctx.shape).to(ctx.dtype).div_(1 - ctx.p)
 
     @staticmethod
     @once_differentiable
@@ -142,10 +138,9 @@ class _DropoutMasks(TorchDispatchMode):
             if self.replay and self.used < len(self.masks):
                 bits, n = self.masks[self.used]
                 self.used += 1
-                return target.copy_(compressor.unpack_bits(bits, 1)[:n].view(target.shape))
+                return target.copy_(compressor.unpack_mask(bits, n, target.shape))
             out = func(*args, **kwargs)
-            flat = (out != 0).reshape(-1)
-            self.masks.append((compressor.pack_bits(F.pad(flat.to(torch.uint8), (0, -flat.numel() % 8)), 1), flat.numel()))
+            self.masks.append(compressor.pack_mask(out))
             return out
         return func(*args, **kwargs)
 

@@ -77,9 +77,9 @@ def _record_saved(model: nn.Module):
     def pack(t):
         if t.untyped_storage().data_ptr() not in params:
             saved.append((t, _kind_of(stack[-1] if stack else None)))
-        # ``saved`` keeps every counted storage alive (so data_ptrs are distinct) until the caller
-        # drops it; the graph itself only gets a weak reference, because a graph holding a tensor
-        # that its own grad_fn saved (an op's output) is a cycle through C++ that is never freed
+        # ``saved`` keeps every counted storage alive (so data_ptrs are distinct) while the caller
+        # counts; the graph only gets a weak reference, because a graph holding a tensor that its
+        # own grad_fn saved (an op's output) is a cycle through C++ that is never freed
         return weakref.ref(t)
 
     try:
@@ -88,6 +88,9 @@ def _record_saved(model: nn.Module):
     finally:
         for h in handles:
             h.remove()
+        # every saved variable keeps a reference to ``pack`` and so to ``saved``: empty it, or the
+        # counted tensors would outlive the graph
+        saved.clear()
 
 
 def _bytes(held: list[tuple[torch.Tensor, str]]) -> tuple[int, dict]:
@@ -109,14 +112,10 @@ def held_bytes(model: nn.Module, inputs: dict) -> tuple[int, dict]:
     try:
         with _record_saved(unwrap(model)) as saved:
             out = model(**inputs)
-            held = saved + store.stop_accounting()
-            total = _bytes(held)
+            total = _bytes(saved + store.stop_accounting())
     finally:
         store.stop_accounting()
-        # the graph's saved-variable hooks keep a reference to ``pack`` and so to ``saved``; an
-        # op's saved output would then hold itself alive through C++: empty the list to free it
-        saved.clear()
-    del out, held
+    del out
     return total
 
 

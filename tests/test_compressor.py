@@ -6,11 +6,6 @@ import torch
 from hf_division.compressor import compress, decompress, pack_bits, rounding_noise, unpack_bits
 
 
-def _step_per_element(p, x):
-    """Each element's quantization step (scale of its group, undone channel scale)."""
-    return p.scale.float()
-
-
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 def test_pack_roundtrip(bits):
     q = torch.randint(0, 2**bits, (4096,), dtype=torch.uint8)
