@@ -16,7 +16,9 @@ Works on CPU and CUDA alike; the fused core is ``torch.compile``-able (see ``set
 """
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +36,7 @@ class Packed:
     lo: torch.Tensor | None  # (n_groups,) bf16 group minimum
     scale: torch.Tensor | None  # (n_groups,) bf16 group step
     lfc: torch.Tensor | None  # (M, ceil(T / block), C) in the LFC dtype
-    cscale: torch.Tensor | None  # (C,) float32 per-channel divisor applied before grouping
+    cscale: torch.Tensor | None  # (C,) float32 per-channel divisor of the HFC (the channel's range)
     shape: torch.Size  # original shape
     dtype: torch.dtype  # original dtype
     layout: tuple | None  # (permutation to memory order, its shape, token axis in it); None: flat
@@ -84,22 +86,31 @@ def unpack_mask(bits: torch.Tensor, n: int, shape) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- noise
-def rounding_noise(n: int, device: torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
-    """``n`` float32 samples of U(0, 1) at 16-bit resolution, for stochastic rounding.
+def noise_words(n: int, device: torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``n`` uniform random int16 values, the source of stochastic-rounding noise.
 
     ``torch.rand`` spends one generator call per element, which on CPU costs about as much as
     the rest of the compression. One 64-bit draw (``random_`` over the full int64 range) gives
-    four independent 16-bit integers ``k``; the samples are ``(k + 0.5) / 65536``, so a value
-    is rounded up with a probability off by at most 2**-17 of its fraction (tested).
+    four independent 16-bit integers (``scripts/profile_compressor.py`` times both).
     """
     words = torch.empty(-(-n // 4), dtype=torch.int64, device=device).random_(-(2**63), None, generator=generator)
-    k = words.view(torch.int16)[:n]  # signed: k + 32768 is uniform on [0, 65535]
-    return k.float().mul_(1.0 / 65536).add_((32768 + 0.5) / 65536)
+    return words.view(torch.int16)[:n]
+
+
+def uniform(words: torch.Tensor) -> torch.Tensor:
+    """int16 words -> float32 U(0, 1) samples ``(k + 0.5) / 65536`` (k = word + 32768).
+
+    A value is then rounded up with a probability off by at most 2**-17 of its fraction (tested).
+    """
+    return words.float() * (1.0 / 65536) + (32768 + 0.5) / 65536
 
 
 # ----------------------------------------------------------------------------- core math
-def _split(x3: torch.Tensor, block_size: int, lfc_dtype: torch.dtype):
-    """(M, T, C) float32 -> (LFC in lfc_dtype (M, nb, C), HFC float32 (M, nb*b, C) padded with 0)."""
+def _split(x3: torch.Tensor, block_size: int, lfc_dtype: torch.dtype, inv_scale: torch.Tensor | None = None):
+    """(M, T, C) float32 -> (LFC in lfc_dtype (M, nb, C), HFC float32 (M, nb*b, C) padded with 0).
+
+    ``inv_scale``: optional (C,) factors applied to the HFC in the same pass.
+    """
     m, t, c = x3.shape
     nb = -(-t // block_size)
     pad = nb * block_size - t
@@ -113,29 +124,96 @@ def _split(x3: torch.Tensor, block_size: int, lfc_dtype: torch.dtype):
         lfc = (sums / counts).to(lfc_dtype)
     else:
         lfc = (sums * (1.0 / block_size)).to(lfc_dtype)
-    hfc = x4 - lfc.to(torch.float32).unsqueeze(2)
+    lfc32 = lfc.to(torch.float32).unsqueeze(2)
+    hfc = x4 - lfc32 if inv_scale is None else torch.addcmul(-(lfc32 * inv_scale), x4, inv_scale)
     if pad:  # padded tokens must not widen the group ranges
         hfc[:, -1, block_size - pad :, :] = 0
     return lfc, hfc.view(m, nb * block_size, c)
 
 
-def _quantize(flat: torch.Tensor, bits: int, group_size: int, noise: torch.Tensor | None):
-    """Flat float32 (N padded to a multiple of group_size) -> (uint8 codes, lo, scale) per group.
+def quantize_groups(flat: torch.Tensor, words: torch.Tensor | None, bits: int, group_size: int):
+    """Flat float32 (a multiple of ``group_size``) -> (packed codes, lo, scale), one pair per group.
 
-    ``lo`` is rounded down and ``scale`` up to the 16-bit dtype, so every value of the group
-    lies inside ``[lo, lo + levels * scale]`` and clamping never biases the rounding.
+    ``words``: int16 noise per element (:func:`noise_words`), or None for round-to-nearest.
+    ``lo`` is rounded down and ``scale`` up to the 16-bit dtype, so every value of the group lies
+    inside ``[lo, lo + levels * scale]`` and clamping never biases the rounding. The directed
+    rounding stays eager: inductor may fold a float32 -> bf16 -> float32 round trip away.
     """
     g = flat.view(-1, group_size)
-    lo, hi = torch.aminmax(g, dim=1)
+    lo, hi = _run_groups(minmax_groups, g.shape[0], (flat,), (group_size,), (group_size,))
     levels = (1 << bits) - 1
     lo16 = _round_to(lo, down=True)
     scale16 = _round_to((hi - lo16.float()) * (1.0 / levels), down=False)
-    lo32, s32 = lo16.float().unsqueeze(1), scale16.float().unsqueeze(1)
+    s32 = scale16.float()
     inv = torch.where(s32 > 0, 1.0 / s32, torch.zeros_like(s32))
-    y = torch.addcmul(noise.view_as(g) if noise is not None else torch.full_like(g, 0.5), g - lo32, inv)
+    per = group_size if words is not None else None
+    (packed,) = _run_groups(encode_groups, g.shape[0], (flat, words, lo16.float(), inv), (group_size, per, 1, 1),
+                            (bits, group_size))
+    return packed, lo16, scale16
+
+
+def minmax_groups(flat, group_size: int):
+    """``(lo, hi)`` per group of ``group_size`` consecutive float32 values."""
+    g = flat.view(-1, group_size)
+    return g.amin(dim=1), g.amax(dim=1)
+
+
+def encode_groups(flat, words, lo, inv, bits: int, group_size: int):
+    """The elementwise part of :func:`quantize_groups`: ``(packed,)`` codes for float32 groups."""
+    g = flat.view(-1, group_size)
+    noise = uniform(words).view_as(g) if words is not None else 0.5
     # y > 0 by construction, so the truncating cast is the floor; clamp guards the top code
-    q = y.clamp_(0, levels).to(torch.uint8)
-    return q.view(-1), lo16, scale16
+    q = ((g - lo.unsqueeze(1)) * inv.unsqueeze(1) + noise).clamp_(0, (1 << bits) - 1).to(torch.uint8)
+    return (pack_bits(q.view(-1), bits),)
+
+
+def dequantize_groups(packed: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int):
+    """Inverse of :func:`quantize_groups` up to rounding: flat float32 values."""
+    q = unpack_bits(packed, bits).view(-1, group_size)
+    return (q.float() * scale.float().unsqueeze(1) + lo.float().unsqueeze(1)).view(-1)
+
+
+# ----------------------------------------------------------------------------- fused execution
+# torch.compile fuses the elementwise group kernels into one loop each (several times faster than
+# eager on CPU: scripts/profile_compressor.py), but only with static shapes: dynamic-shape code was several times *slower* here. So the kernels run
+# compiled over fixed chunks of groups (two sizes), and eagerly on the small remainder.
+_CHUNKS = (4096, 256)  # groups per compiled call
+_fused = {"enabled": True}
+
+
+def set_fused(enabled: bool) -> None:
+    """Run the group kernels through ``torch.compile`` (default) or eagerly."""
+    _fused["enabled"] = bool(enabled)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(kernel):
+    return torch.compile(kernel, dynamic=False)
+
+
+def _run_groups(kernel, n_groups: int, args: tuple, per_group: tuple, static: tuple):
+    """``kernel(*args, *static)`` over all groups, sliced into fixed-size chunks when fused.
+
+    ``per_group[i]``: elements of ``args[i]`` per group (None: pass ``args[i]`` as it is).
+    Each output is concatenated in group order.
+    """
+    if not _fused["enabled"] or n_groups < _CHUNKS[-1]:
+        return kernel(*args, *static)
+    fn, pieces, start = _compiled(kernel), [], 0
+    for size in _CHUNKS:
+        while n_groups - start >= size:
+            sliced = [a if k is None else a[start * k : (start + size) * k] for a, k in zip(args, per_group)]
+            try:
+                pieces.append(fn(*sliced, *static))
+            except Exception as err:  # no C++ compiler, unsupported device, ...: stay correct, go eager
+                warnings.warn(f"hf-division: torch.compile of {kernel.__name__} failed ({err!r}); using eager kernels")
+                set_fused(False)
+                return kernel(*args, *static)
+            start += size
+    if start < n_groups:
+        sliced = [a if k is None else a[start * k :] for a, k in zip(args, per_group)]
+        pieces.append(kernel(*sliced, *static))
+    return tuple(torch.cat(parts) for parts in zip(*pieces))
 
 
 def _round_to(v: torch.Tensor, down: bool) -> torch.Tensor:
@@ -162,7 +240,7 @@ def compress(
 
     ``token_dim``: the token axis (``-2`` for ``(..., T, C)``); ``None`` or ``block_size <= 1``
     disables the LFC. ``bits``: 1, 2, 4 or 8 bits per HFC element, or 0 to keep ``x`` as it is.
-    ``channel_scale``: divide the HFC by its per-channel max magnitude before grouping, so that a
+    ``channel_scale``: divide the HFC by its channel's range before grouping, so that a
     few outlier channels (common in transformer residual streams) do not set every group's range.
     """
     shape, dtype = x.shape, x.dtype
@@ -175,30 +253,34 @@ def compress(
         x3, layout = _to_tokens(x, token_dim % x.dim())
     else:
         token_dim, x3 = None, x.reshape(1, -1, 1).float()
+    cscale = inv = None
+    if channel_scale and token_dim is not None:
+        # per-channel range of x: it bounds |HFC| (an LFC row is a mean of the block) and is
+        # known before the split, so the scaling joins the split's pass
+        cscale = x3.amax(dim=(0, 1)) - x3.amin(dim=(0, 1))
+        cscale = torch.where(cscale > 0, cscale, torch.ones_like(cscale))
+        inv = 1.0 / cscale
     lfc = None
     if token_dim is not None and block_size > 1:
-        lfc, x3 = _split(x3, block_size, lfc_dtype)
-    cscale = None
-    if channel_scale and token_dim is not None:
-        cscale = torch.maximum(x3.amax(dim=(0, 1)), x3.amin(dim=(0, 1)).neg_())
-        cscale = torch.where(cscale > 0, cscale, torch.ones_like(cscale))
-        x3 = x3 * (1.0 / cscale)
+        lfc, x3 = _split(x3, block_size, lfc_dtype, inv)
+    elif inv is not None:
+        x3 = x3 * inv
     flat = x3.reshape(-1)
     n = flat.numel()
     padded = -(-n // group_size) * group_size
     if padded != n:
         flat = torch.nn.functional.pad(flat, (0, padded - n))
-    noise = rounding_noise(padded, flat.device, generator) if stochastic else None
-    q, lo, scale = _quantize(flat, bits, group_size, noise)
-    return Packed(pack_bits(q, bits), lo, scale, lfc, cscale, shape, dtype, layout, bits, block_size, group_size)
+    words = noise_words(padded, flat.device, generator) if stochastic else None
+    packed, lo, scale = quantize_groups(flat, words, bits, group_size)
+    return Packed(packed, lo, scale, lfc, cscale, shape, dtype, layout, bits, block_size, group_size)
 
 
 def decompress(p: Packed) -> torch.Tensor:
     """Rebuild a tensor of ``p.shape`` and ``p.dtype`` (with the input's memory layout)."""
     if p.bits == 0:
         return p.packed
-    q = unpack_bits(p.packed, p.bits).view(-1, p.group_size)
-    flat = torch.addcmul(p.lo.float().unsqueeze(1), q.float(), p.scale.float().unsqueeze(1)).view(-1)
+    per_code = p.group_size * p.bits // 8
+    (flat,) = _run_groups(_dequantize_tuple, p.lo.numel(), (p.packed, p.lo, p.scale), (per_code, 1, 1), (p.bits, p.group_size))
     if p.layout is None:
         return flat[: math.prod(p.shape)].view(p.shape).to(p.dtype)
     perm, mem_shape, tdim = p.layout
@@ -217,6 +299,10 @@ def decompress(p: Packed) -> torch.Tensor:
     for i, d in enumerate(perm):
         inverse[d] = i
     return x.permute(inverse)
+
+
+def _dequantize_tuple(packed, lo, scale, bits, group_size):
+    return (dequantize_groups(packed, lo, scale, bits, group_size),)
 
 
 def _to_tokens(x: torch.Tensor, token_dim: int):
