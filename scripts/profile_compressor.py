@@ -46,6 +46,7 @@ def main(argv=None):
         compress(x), decompress(p)  # warm-up (compiles the chunk kernels when fused)
         rows[f"compress (default config, fused={fused})"] = timeit(lambda: compress(x))
         rows[f"decompress (fused={fused})"] = timeit(lambda: decompress(p))
+    compressor.set_fused(False)  # below: the whole core as one function, eager or compiled whole
     rows["core: split + quantize, one call (eager)"] = timeit(lambda: core(x, noise))
     for dynamic in (False, True):
         compiled = torch.compile(core, dynamic=dynamic)
@@ -53,6 +54,7 @@ def main(argv=None):
         compiled(x, noise)
         rows[f"  (torch.compile dynamic={dynamic} warm-up, s)"] = time.perf_counter() - t0
         rows[f"core: split + quantize, one call (compile, dynamic={dynamic})"] = timeit(lambda: compiled(x, noise))
+    compressor.set_fused(True)
     rows["torch.rand_like"] = timeit(lambda: torch.rand_like(x))
     rows["noise_words + uniform (16-bit)"] = timeit(lambda: uniform(noise_words(n, x.device)))
     rows["bernoulli_ (dropout draw)"] = timeit(lambda: torch.empty_like(x).bernoulli_(0.9))
