@@ -36,7 +36,7 @@ class Packed:
     lo: torch.Tensor | None  # (n_groups,) bf16 group minimum
     scale: torch.Tensor | None  # (n_groups,) bf16 group step
     lfc: torch.Tensor | None  # (M, ceil(T / block), C) in the LFC dtype
-    cscale: torch.Tensor | None  # (C,) float32 per-channel divisor of the HFC (the channel's range)
+    cscale: torch.Tensor | None  # (C,) float32 per-channel divisor of the HFC (a bound of its |values|)
     shape: torch.Size  # original shape
     dtype: torch.dtype  # original dtype
     layout: tuple | None  # (permutation to memory order, its shape, token axis in it); None: flat
@@ -240,7 +240,7 @@ def compress(
 
     ``token_dim``: the token axis (``-2`` for ``(..., T, C)``); ``None`` or ``block_size <= 1``
     disables the LFC. ``bits``: 1, 2, 4 or 8 bits per HFC element, or 0 to keep ``x`` as it is.
-    ``channel_scale``: divide the HFC by its channel's range before grouping, so that a
+    ``channel_scale``: divide each HFC channel by a bound of its magnitude before grouping, so that a
     few outlier channels (common in transformer residual streams) do not set every group's range.
     """
     shape, dtype = x.shape, x.dtype
@@ -253,15 +253,17 @@ def compress(
         x3, layout = _to_tokens(x, token_dim % x.dim())
     else:
         token_dim, x3 = None, x.reshape(1, -1, 1).float()
+    use_lfc = token_dim is not None and block_size > 1
     cscale = inv = None
     if channel_scale and token_dim is not None:
-        # per-channel range of x: it bounds |HFC| (an LFC row is a mean of the block) and is
-        # known before the split, so the scaling joins the split's pass
-        cscale = x3.amax(dim=(0, 1)) - x3.amin(dim=(0, 1))
+        # a bound of each channel's |HFC| known before the split, so the scaling joins the split's
+        # pass: the channel's range with an LFC (an LFC row is a mean of its block), else max |x|
+        hi, lo = x3.amax(dim=(0, 1)), x3.amin(dim=(0, 1))
+        cscale = hi - lo if use_lfc else torch.maximum(hi, lo.neg_())
         cscale = torch.where(cscale > 0, cscale, torch.ones_like(cscale))
         inv = 1.0 / cscale
     lfc = None
-    if token_dim is not None and block_size > 1:
+    if use_lfc:
         lfc, x3 = _split(x3, block_size, lfc_dtype, inv)
     elif inv is not None:
         x3 = x3 * inv
