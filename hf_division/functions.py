@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import compressor, store
@@ -18,14 +19,16 @@ from .config import DivisionConfig
 
 
 class LinearFn(torch.autograd.Function):
-    """``F.linear(x, weight, bias)``; keeps ``x`` compressed, and only if the weight needs a grad."""
+    """``fwd(x)`` for an affine layer: ``x @ weight.T + bias`` (``nn.Linear``), or
+    ``x @ weight + bias`` with ``transposed`` (GPT-2's ``Conv1D``). ``fwd`` is the layer's own
+    forward. Keeps ``x`` compressed, and only if the weight needs a gradient (as autograd does)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, config: DivisionConfig, kind: str):
+    def forward(ctx, x, weight, bias, fwd: Callable, transposed: bool, config: DivisionConfig, kind: str):
         ctx.entry = store.keep(x, kind, config) if weight.requires_grad else None
         ctx.save_for_backward(weight)
-        ctx.has_bias = bias is not None
-        return F.linear(x, weight, bias)
+        ctx.has_bias, ctx.transposed = bias is not None, transposed
+        return fwd(x)
 
     @staticmethod
     @once_differentiable
@@ -33,15 +36,17 @@ class LinearFn(torch.autograd.Function):
         (weight,) = ctx.saved_tensors
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            gx = grad.matmul(weight.to(grad.dtype))
+            w = weight.to(grad.dtype)
+            gx = grad.matmul(w.t() if ctx.transposed else w)
         g2 = grad.reshape(-1, grad.shape[-1])
         if ctx.entry is not None and ctx.needs_input_grad[1]:
             x = ctx.entry.get()
-            gw = g2.t().matmul(x.reshape(-1, x.shape[-1]).to(grad.dtype)).to(weight.dtype)
+            x2 = x.reshape(-1, x.shape[-1]).to(grad.dtype)
+            gw = (x2.t().matmul(g2) if ctx.transposed else g2.t().matmul(x2)).to(weight.dtype)
             ctx.entry.done()
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(0).to(weight.dtype)
-        return gx, gw, gb, None, None
+        return gx, gw, gb, None, None, None, None
 
 
 class RecomputeFn(torch.autograd.Function):
@@ -52,35 +57,64 @@ class RecomputeFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, fn: Callable, config: DivisionConfig, kind: str, x, *params):
+    def forward(ctx, fn: Callable, config: DivisionConfig, kind: str, exact_sign: bool, x, *params):
         y = fn(x)
-        ctx.fn, ctx.entry = fn, store.keep(x, kind, config)
+        ctx.fn, ctx.entry = fn, store.keep(x, kind, config, exact_sign)
         ctx.save_for_backward(*params)
-        store.derive(y, ctx.entry, _no_grad(fn))
+        store.derive(y, (ctx.entry,), _no_grad(fn))
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         params = ctx.saved_tensors
-        x = ctx.entry.get().detach().requires_grad_(ctx.needs_input_grad[3])
+        x = ctx.entry.get().detach().requires_grad_(ctx.needs_input_grad[4])
         ctx.entry.done()
-        wanted = [t for t, need in zip((x, *params), ctx.needs_input_grad[3:]) if need]
+        wanted = [t for t, need in zip((x, *params), ctx.needs_input_grad[4:]) if need]
         grads = iter(())
         if wanted:
             with torch.enable_grad():
                 y = ctx.fn(x)
             grads = iter(torch.autograd.grad(y, wanted, grad, allow_unused=True))
-        out = [next(grads) if need else None for need in ctx.needs_input_grad[3:]]
-        return (None, None, None, *out)
+        out = [next(grads) if need else None for need in ctx.needs_input_grad[4:]]
+        return (None, None, None, None, *out)
 
 
 def _no_grad(fn):
-    def run(x):
+    def run(*args):
         with torch.no_grad():
-            return fn(x)
+            return fn(*args)
 
     return run
+
+
+class GatedFn(torch.autograd.Function):
+    """A gated MLP's ``act(gate) * up`` (``up * act(gate)`` with ``up_first``, as Phi-3 writes it).
+
+    Keeps ``gate`` and ``up`` compressed (the product, which the down projection saves, is
+    derived from them), recomputes ``act`` in backward. ``act``: the activation's own forward.
+    """
+
+    @staticmethod
+    def forward(ctx, act: Callable, up_first: bool, config: DivisionConfig, gate, up):
+        a = act(gate)
+        h = up * a if up_first else a * up
+        ctx.act, ctx.entries = act, (store.keep(gate, "activation", config), store.keep(up, "activation", config))
+        store.derive(h, ctx.entries, _no_grad(lambda g, u: u * act(g) if up_first else act(g) * u))
+        return h
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        gate, up = (e.get() for e in ctx.entries)
+        for e in ctx.entries:
+            e.done()
+        gate = gate.detach().requires_grad_(True)
+        with torch.enable_grad():
+            a = ctx.act(gate)
+        g_up = grad * a.detach() if ctx.needs_input_grad[4] else None
+        g_gate = torch.autograd.grad(a, gate, grad * up)[0] if ctx.needs_input_grad[3] else None
+        return None, None, None, g_gate, g_up
 
 
 class DropoutFn(torch.autograd.Function):
@@ -104,7 +138,7 @@ class DropoutFn(torch.autograd.Function):
         store.account_tensors([ctx.bits], "dropout")
         parent = store.lookup(x)
         if parent is not None:
-            store.derive(out, parent, lambda t, c=ctx: t * DropoutFn.noise(c), extra=[ctx.bits])
+            store.derive(out, (parent,), lambda t, c=ctx: t * DropoutFn.noise(c), extra=[ctx.bits])
         return out
 
     @staticmethod
@@ -115,6 +149,20 @@ class DropoutFn(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):
         return grad * DropoutFn.noise(ctx).to(grad.dtype), None
+
+
+class BitDropout(TorchFunctionMode):
+    """Routes ``F.dropout`` (what ``nn.Dropout`` calls too) to :class:`DropoutFn` where autograd
+    would keep a mask: training, grad enabled, input requiring grad, not in place."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.dropout and torch.is_grad_enabled():
+            bound = dict(zip(("input", "p", "training", "inplace"), args), **kwargs)
+            x, p = bound["input"], bound.get("p", 0.5)
+            if bound.get("training", True) and not bound.get("inplace", False) and 0 < p < 1 and x.requires_grad:
+                return DropoutFn.apply(x, p)
+        return func(*args, **kwargs)
 
 
 class _DropoutMasks(TorchDispatchMode):

@@ -15,7 +15,7 @@ from torch import nn
 
 from . import attention
 from .config import DivisionConfig
-from .functions import DropoutFn, LinearFn, RecomputeFn
+from .functions import BitDropout, GatedFn, LinearFn, RecomputeFn
 
 STATE_ATTR = "_division_state"
 
@@ -39,34 +39,42 @@ def _wrap(state: _State, module: nn.Module, make_forward) -> None:
     orig = module.forward
     new = make_forward(orig)
     new._division = True
+    # keep the original signature visible (the Trainer picks dataset columns from it)
+    new.__wrapped__ = getattr(orig, "__func__", orig)
     module.forward = types.MethodType(new, module)
     state.modules.append((module, previous))
 
 
-def patch_linear(state: _State, module: nn.Module, kind: str = "linear") -> None:
-    """``nn.Linear``-like module: input kept compressed for the weight gradient."""
+def patch_linear(state: _State, module: nn.Module, transposed: bool = False, kind: str = "linear") -> None:
+    """``nn.Linear`` (or, ``transposed``, GPT-2's ``Conv1D``): input kept compressed for the
+    weight gradient."""
     config = state.config
 
     def make(orig):
         def forward(self, x):
             if _training(self) and self.weight.requires_grad and config.bits(kind):
-                return LinearFn.apply(x, self.weight, self.bias, config, kind)
+                return LinearFn.apply(x, self.weight, self.bias, orig, transposed, config, kind)
             return orig(x)
 
         return forward
 
     _wrap(state, module, make)
+
+
+#: activations whose gradient is the sign of the input: keep that sign exactly
+KINKED = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.Hardtanh)
 
 
 def patch_recompute(state: _State, module: nn.Module, kind: str) -> None:
     """Norm or activation module ``y = f(x)``: input kept compressed, f recomputed in backward."""
     config = state.config
     params = tuple(module.parameters(recurse=False))
+    exact_sign = isinstance(module, KINKED) or type(module).__name__ == "ReLUSquaredActivation"
 
     def make(orig):
         def forward(self, x):
             if _training(self) and config.bits(kind) and (x.requires_grad or any(p.requires_grad for p in params)):
-                return RecomputeFn.apply(orig, config, kind, x, *params)
+                return RecomputeFn.apply(orig, config, kind, exact_sign, x, *params)
             return orig(x)
 
         return forward
@@ -74,32 +82,62 @@ def patch_recompute(state: _State, module: nn.Module, kind: str) -> None:
     _wrap(state, module, make)
 
 
-def patch_dropout(state: _State, module: nn.Dropout) -> None:
-    """Dropout: mask kept as bits instead of a float tensor."""
+def patch_gated_mlp(state: _State, mlp: nn.Module, up_first: bool = False) -> None:
+    """Gated MLP ``down(act(gate(x)) * up(x))`` (Llama, Mistral, Qwen, Gemma): gate and up kept
+    compressed once, their product derived. ``mlp`` has ``gate_proj``, ``up_proj``, ``down_proj``
+    and ``act_fn``; Phi-3's fused ``gate_up_proj`` is handled with ``up_first`` by its patcher."""
     config = state.config
+    act = mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn
+    act_forward = types.MethodType(type(act).forward, act)  # unpatched: recomputed under autograd
 
     def make(orig):
         def forward(self, x):
-            if _training(self) and config.dropout_bits and 0 < self.p < 1 and not self.inplace and x.requires_grad:
-                return DropoutFn.apply(x, self.p)
-            return orig(x)
+            if not (_training(self) and config.bits("activation")):
+                return orig(x)
+            if hasattr(self, "gate_up_proj"):
+                gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            else:
+                gate, up = self.gate_proj(x), self.up_proj(x)
+            return self.down_proj(GatedFn.apply(act_forward, up_first, config, gate, up))
 
         return forward
 
-    _wrap(state, module, make)
+    _wrap(state, mlp, make)
 
 
-def patch_modules(state: _State, root: nn.Module, norm_types=(nn.LayerNorm,), activation_types=()) -> None:
-    """The shared wiring: every Linear, norm, activation and Dropout below ``root``."""
+def patch_dropouts(state: _State, model: nn.Module) -> None:
+    """Every dropout in ``model``'s training forward, ``nn.Dropout`` or functional (OPT calls
+    ``F.dropout`` directly), keeps its mask as bits: the model's forward runs under a
+    ``TorchFunctionMode`` that routes ``F.dropout`` to :class:`DropoutFn`."""
+    config = state.config
+    if not config.dropout_bits:
+        return
+
+    def make(orig):
+        def forward(self, *args, **kwargs):
+            if not _training(self):
+                return orig(*args, **kwargs)
+            with BitDropout():
+                return orig(*args, **kwargs)
+
+        return forward
+
+    _wrap(state, model, make)
+
+
+def patch_modules(
+    state: _State, root: nn.Module, norm_types=(nn.LayerNorm,), activation_types=(), conv1d_types=()
+) -> None:
+    """The shared wiring: every Linear (and Conv1D), norm and activation below ``root``."""
     for module in root.modules():
         if isinstance(module, nn.Linear):
             patch_linear(state, module)
+        elif isinstance(module, conv1d_types):
+            patch_linear(state, module, transposed=True)
         elif isinstance(module, norm_types):
             patch_recompute(state, module, "norm")
         elif isinstance(module, activation_types):
             patch_recompute(state, module, "activation")
-        elif isinstance(module, nn.Dropout):
-            patch_dropout(state, module)
 
 
 def use_attention_interface(state: _State, model: nn.Module) -> None:
@@ -156,6 +194,7 @@ def apply_division(model: nn.Module, config: DivisionConfig | None = None) -> nn
     state = _State(config)
     try:
         PATCHERS[model_type](base, state)
+        patch_dropouts(state, base)
     except BaseException:
         _undo(base, state)
         raise

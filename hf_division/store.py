@@ -20,10 +20,11 @@ from .config import DivisionConfig
 class Entry:
     """A saved activation held for backward. ``get()`` rebuilds it; ``done()`` marks one use."""
 
-    __slots__ = ("packed", "parent", "fn", "kind", "extra", "uses", "_cache", "__weakref__")
+    __slots__ = ("packed", "parents", "fn", "kind", "extra", "sign", "uses", "_cache", "__weakref__")
 
-    def __init__(self, kind: str, packed=None, parent: Entry | None = None, fn: Callable | None = None, extra=()):
-        self.packed, self.parent, self.fn, self.kind = packed, parent, fn, kind
+    def __init__(self, kind: str, packed=None, parents: tuple = (), fn: Callable | None = None, extra=(), sign=None):
+        self.packed, self.parents, self.fn, self.kind = packed, tuple(parents), fn, kind
+        self.sign = sign  # (bits, n) of ``x > 0``, exact, for activations with a kink at 0
         self.extra = tuple(extra)  # tensors a recipe needs (e.g. a dropout mask), for accounting
         self.uses = 0  # consumers that have not run their backward yet
         self._cache = None
@@ -35,9 +36,12 @@ class Entry:
             return self._cache
         if self.packed is not None:
             value = compressor.decompress(self.packed)
+            if self.sign is not None:
+                value = _with_sign(value, compressor.unpack_mask(*self.sign, value.shape))
         else:
-            value = self.fn(self.parent.get())
-            self.parent.done()
+            value = self.fn(*(p.get() for p in self.parents))
+            for p in self.parents:
+                p.done()
         if self.uses > 1:
             self._cache = value
         return value
@@ -49,7 +53,8 @@ class Entry:
 
     def tensors(self) -> list[torch.Tensor]:
         p = self.packed
-        own = [t for t in (p.packed, p.lo, p.scale, p.lfc) if t is not None] if p is not None else []
+        own = [t for t in (p.packed, p.lo, p.scale, p.lfc, p.cscale) if t is not None] if p is not None else []
+        own += [self.sign[0]] if self.sign is not None else []
         return own + list(self.extra)
 
 
@@ -74,29 +79,43 @@ def register(t: torch.Tensor, entry: Entry) -> None:
     _live[key] = (weakref.ref(t, _drop), t._version, entry)
 
 
-def keep(t: torch.Tensor, kind: str, config: DivisionConfig) -> Entry:
-    """The entry holding ``t`` for one more consumer: reused if ``t`` is already held."""
+def _with_sign(value: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
+    """Move rebuilt values that crossed 0 back to the side the original was on."""
+    tiny = torch.finfo(value.dtype).tiny
+    return torch.where(positive.bool(), value.clamp(min=tiny), value.clamp(max=0))
+
+
+def keep(t: torch.Tensor, kind: str, config: DivisionConfig, exact_sign: bool = False) -> Entry:
+    """The entry holding ``t`` for one more consumer: reused if ``t`` is already held.
+
+    ``exact_sign``: also keep ``t > 0`` as bits, so that the rebuilt tensor has the original's
+    sign everywhere (ReLU-like activations: their gradient is the sign).
+    """
     entry = lookup(t)
     if entry is None:
-        entry = Entry(kind, packed=pack(t, kind, config))
+        packed = pack(t, kind, config)
+        sign = compressor.pack_mask(t > 0) if exact_sign and packed.bits else None
+        entry = Entry(kind, packed=packed, sign=sign)
         register(t, entry)
     entry.uses += 1
     return entry
 
 
-def derive(t: torch.Tensor, parent: Entry, fn: Callable, extra=()) -> None:
-    """Declare that ``t == fn(parent)`` so a later consumer of ``t`` stores nothing new."""
-    entry = Entry(parent.kind, parent=parent, fn=fn, extra=extra)
-    parent.uses += 1
+def derive(t: torch.Tensor, parents: tuple, fn: Callable, extra=()) -> None:
+    """Declare that ``t == fn(*parents)`` so a later consumer of ``t`` stores nothing new."""
+    entry = Entry(parents[0].kind, parents=parents, fn=fn, extra=extra)
+    for parent in parents:
+        parent.uses += 1
     register(t, entry)
     weakref.finalize(t, _release_unused, weakref.ref(entry))
 
 
 def _release_unused(ref):
-    # ``t`` died; if no consumer took the recipe, give its use of the parent back
+    # ``t`` died; if no consumer took the recipe, give its use of the parents back
     entry = ref()
     if entry is not None and entry.uses == 0:
-        entry.parent.done()
+        for parent in entry.parents:
+            parent.done()
 
 
 _generators: dict[torch.device, tuple[int, torch.Generator]] = {}

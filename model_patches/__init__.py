@@ -5,6 +5,15 @@ once it passes ``tests/test_conformance.py`` (parametrized over this registry).
 """
 from .bert import apply_division_to_bert
 from .distilbert import apply_division_to_distilbert
+from .gemma import apply_division_to_gemma
+from .gemma2 import apply_division_to_gemma2
+from .gpt2 import apply_division_to_gpt2
+from .llama import apply_division_to_llama
+from .mistral import apply_division_to_mistral
+from .opt import apply_division_to_opt
+from .phi3 import apply_division_to_phi3
+from .qwen2 import apply_division_to_qwen2
+from .qwen3 import apply_division_to_qwen3
 
 PATCHERS = {
     "bert": apply_division_to_bert,
@@ -12,4 +21,13 @@ PATCHERS = {
     "xlm-roberta": apply_division_to_bert,
     "electra": apply_division_to_bert,
     "distilbert": apply_division_to_distilbert,
+    "gpt2": apply_division_to_gpt2,
+    "opt": apply_division_to_opt,
+    "llama": apply_division_to_llama,
+    "mistral": apply_division_to_mistral,
+    "qwen2": apply_division_to_qwen2,
+    "qwen3": apply_division_to_qwen3,
+    "gemma": apply_division_to_gemma,
+    "gemma2": apply_division_to_gemma2,
+    "phi3": apply_division_to_phi3,
 }

@@ -12,15 +12,17 @@ from conftest import tiny_batch, tiny_model
 
 
 def test_supported_model_types():
-    assert {"bert", "roberta", "xlm-roberta", "distilbert", "electra"} <= set(hd.supported_model_types())
+    assert {"bert", "roberta", "xlm-roberta", "distilbert", "electra", "gpt2", "opt", "llama", "mistral",
+            "qwen2", "qwen3", "gemma", "gemma2", "phi3"} <= set(hd.supported_model_types())
 
 
 def test_unsupported_type_names_it():
-    cfg = AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    cfg = AutoConfig.for_model("gpt_neox", num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                               intermediate_size=64, vocab_size=64)
     model = AutoModelForCausalLM.from_config(cfg)
-    with pytest.raises(ValueError, match="gpt2.*supported: .*bert"):
+    with pytest.raises(ValueError, match="gpt_neox.*supported: .*bert"):
         hd.apply_division(model)
-    assert "forward" not in model.transformer.h[0].attn.c_attn.__dict__
+    assert all("forward" not in m.__dict__ for m in model.modules())
 
 
 @pytest.mark.parametrize(
@@ -141,3 +143,29 @@ def test_peft_lora_wrapped_model(batch):
     assert a.weight.grad is not None and "forward" in a.__dict__
     hd.remove_division(lora)
     assert "forward" not in a.__dict__
+
+
+def test_forward_signature_kept():
+    import inspect
+
+    model = tiny_model("bert")
+    before = inspect.signature(model.forward)
+    hd.apply_division(model)
+    assert inspect.signature(model.forward) == before
+
+
+def test_functional_dropout_kept_as_bits():
+    # OPT calls F.dropout directly: its masks must be bits too, and the forward unchanged
+    model = tiny_model("opt", "eager", dropout=0.5)
+    batch = tiny_batch(batch=2, seq=64)
+    torch.manual_seed(0)
+    ref = model(**batch).logits
+    hd.apply_division(model)
+    store.start_accounting()
+    torch.manual_seed(0)
+    out = model(**batch)
+    held = store.stop_accounting()
+    assert torch.equal(out.logits, ref)
+    masks = [t for t, k in held if k == "dropout"]
+    # 2 layers x 2 hidden dropouts, each (2, 64, 64) elements as bits
+    assert len(masks) >= 4 and all(t.numel() == 2 * 64 * 64 // 8 for t in masks[:4])

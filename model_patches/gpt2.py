@@ -1,0 +1,6 @@
+"""GPT-2: projections are ``Conv1D`` (weight stored in x out), GELU-new MLP."""
+from transformers.pytorch_utils import Conv1D
+
+from .common import encoder_patcher
+
+apply_division_to_gpt2 = encoder_patcher(conv1d_types=(Conv1D,))
