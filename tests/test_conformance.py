@@ -90,3 +90,39 @@ def test_save_pretrained_reload_plain(model_type, batch, tmp_path):
     sd = model.state_dict()
     assert set(plain.state_dict()) == set(sd)
     assert all(torch.equal(sd[k], v) for k, v in plain.state_dict().items())
+
+
+DECODERS = [t for t in TYPES if t in ("gpt2", "opt", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")]
+
+
+@pytest.mark.parametrize("model_type", DECODERS)
+def test_causal_lm_head(model_type):
+    from transformers import AutoModelForCausalLM
+
+    from conftest import tiny_config
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(model_type, "eager"), attn_implementation="eager")
+    ids = tiny_batch(batch=2, seq=128)["input_ids"]
+    batch = {"input_ids": ids, "labels": ids}
+    ref = _forward(model.train(), batch, 0).logits
+    hd.apply_division(model)
+    assert torch.equal(_forward(model, batch, 0).logits, ref)
+    hd.remove_division(model)
+    assert min(gradient_cosine(model, batch, seeds=(0,))) >= 0.98
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_trainer_three_steps(model_type, tmp_path):
+    from datasets import Dataset
+
+    from hf_division import Trainer, TrainingArguments
+    from hf_division.patching import division_config_of
+
+    model = tiny_model(model_type, "eager")
+    data = Dataset.from_dict({k: v.tolist() for k, v in tiny_batch(batch=12, seq=32, seed=2).items()})
+    args = TrainingArguments(output_dir=str(tmp_path), division=True, max_steps=3, per_device_train_batch_size=4,
+                             report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)
+    result = Trainer(model=model, args=args, train_dataset=data).train()
+    assert result.global_step == 3 and torch.isfinite(torch.tensor(result.training_loss))
+    assert division_config_of(model) is not None
