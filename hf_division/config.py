@@ -41,6 +41,7 @@ class DivisionConfig:
     norm_bits: int = 4
     min_numel: int = 4096  # smaller saved tensors are kept as they are
     dropout_bits: bool = True  # store dropout masks as 1 bit per element
+    generic_fallback: bool = False  # patch unregistered model types generically (with a warning)
 
     def __post_init__(self):
         if self.method not in _METHODS:

@@ -8,10 +8,12 @@ architecture by ``model_patches`` (a ``model_type -> function`` registry, as in 
 from __future__ import annotations
 
 import types
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 from . import attention
 from .config import DivisionConfig
@@ -176,16 +178,25 @@ def apply_division(model: nn.Module, config: DivisionConfig | None = None) -> nn
     Raises ``ValueError`` for a model type without a patcher.
     """
     from model_patches import PATCHERS
+    from model_patches.generic import apply_division_generic
 
     config = DivisionConfig() if config is None else config
     if not isinstance(config, DivisionConfig):
         raise TypeError(f"config must be a DivisionConfig, got {type(config).__name__}")
     base = unwrap(model)
     model_type = getattr(getattr(base, "config", None), "model_type", None)
-    if model_type not in PATCHERS:
-        raise ValueError(
-            f"hf-division has no patcher for model_type {model_type!r}; supported: {', '.join(supported_model_types())}"
+    patcher = PATCHERS.get(model_type)
+    if patcher is None:
+        if not (config.generic_fallback and isinstance(getattr(base, "config", None), PretrainedConfig)):
+            raise ValueError(
+                f"hf-division has no patcher for model_type {model_type!r}; supported: "
+                f"{', '.join(supported_model_types())} (or DivisionConfig(generic_fallback=True) to try the generic one)"
+            )
+        warnings.warn(
+            f"hf-division: no patcher for model_type {model_type!r}; using the generic fallback "
+            "(Linear/Conv1D, norm and activation inputs, attention if it uses the attention interface)"
         )
+        patcher = apply_division_generic
     current = base.__dict__.get(STATE_ATTR)
     if current is not None:
         if current.config == config:
@@ -193,7 +204,7 @@ def apply_division(model: nn.Module, config: DivisionConfig | None = None) -> nn
         remove_division(base)
     state = _State(config)
     try:
-        PATCHERS[model_type](base, state)
+        patcher(base, state)
         patch_dropouts(state, base)
     except BaseException:
         _undo(base, state)

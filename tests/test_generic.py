@@ -1,0 +1,38 @@
+"""The generic fallback on architectures that have no patcher."""
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForSequenceClassification
+
+import hf_division as hd
+from hf_division.fidelity import gradient_cosine
+
+from conftest import tiny_batch
+
+UNREGISTERED = {
+    "gpt_neox": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128),
+    "stablelm": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128),
+}
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("model_type", sorted(UNREGISTERED))
+def test_generic_fallback(model_type, impl):
+    assert model_type not in hd.supported_model_types()
+    cfg = AutoConfig.for_model(model_type, vocab_size=128, max_position_embeddings=160, num_labels=3, pad_token_id=1,
+                               **UNREGISTERED[model_type])
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(cfg, attn_implementation=impl).train()
+    batch = tiny_batch(batch=4, seq=128)
+    with pytest.raises(ValueError, match=model_type):
+        hd.apply_division(model)
+    fallback = hd.DivisionConfig(generic_fallback=True)
+    torch.manual_seed(0)
+    ref = model(**batch).logits
+    with pytest.warns(UserWarning, match=f"no patcher for model_type '{model_type}'.*generic fallback"):
+        hd.apply_division(model, fallback)
+    torch.manual_seed(0)
+    assert torch.equal(model(**batch).logits, ref)
+    hd.remove_division(model)
+    with pytest.warns(UserWarning):
+        assert min(gradient_cosine(model, batch, fallback, seeds=(0,))) >= 0.98
+        assert hd.measure_activation_memory(model, batch, fallback).ratio >= 4
