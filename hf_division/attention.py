@@ -37,7 +37,7 @@ def _make(impl: str):
         if (
             config is None
             or config.bits("attention") == 0
-            or not (torch.is_grad_enabled() and module.training)
+            or not (store.active() and module.training)
             or not (query.requires_grad or key.requires_grad or value.requires_grad)
             or kwargs.get("output_attentions")
         ):

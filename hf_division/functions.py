@@ -231,3 +231,42 @@ class AttentionFn(torch.autograd.Function):
         wanted = [t for t in qkv if t.requires_grad]
         grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
         return (*(next(grads) if t.requires_grad else None for t in qkv), None, None)
+
+
+class CheckpointFn(torch.autograd.Function):
+    """Checkpoint a layer ``run(*args)`` keeping its tensor inputs compressed (policy of the
+    residual stream, ``norm``) and the RNG state; backward rebuilds the inputs, re-runs the layer
+    with the same dropout draws under autograd (nothing compressed: it is consumed at once) and
+    backpropagates. Like reentrant checkpointing, gradients flow to positional tensor inputs."""
+
+    @staticmethod
+    def forward(ctx, run: Callable, config: DivisionConfig, *args):
+        ctx.run, ctx.devices = run, [a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda][:1]
+        ctx.rng = torch.get_rng_state()
+        ctx.cuda_rng = torch.cuda.get_rng_state(ctx.devices[0]) if ctx.devices else None
+        ctx.args = [store.keep(a, "norm", config) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                    for a in args]
+        store.account_tensors([ctx.rng], "norm")
+        with torch.no_grad():
+            return ctx.run(*args)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        args = []
+        for a, need in zip(ctx.args, ctx.needs_input_grad[2:]):
+            if isinstance(a, store.Entry):
+                t = a.get().detach().requires_grad_(need)
+                a.done()
+                a = t
+            args.append(a)
+        with torch.random.fork_rng(devices=ctx.devices):
+            torch.set_rng_state(ctx.rng)
+            if ctx.cuda_rng is not None:
+                torch.cuda.set_rng_state(ctx.cuda_rng, ctx.devices[0])
+            with torch.enable_grad(), store.recomputing():
+                out = ctx.run(*args)
+        outs = out if isinstance(out, tuple) else (out,)
+        pairs = [(o, g) for o, g in zip(outs, grads) if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None, *(a.grad if isinstance(a, torch.Tensor) and a.requires_grad else None for a in args))

@@ -7,6 +7,7 @@ architecture by ``model_patches`` (a ``model_type -> function`` registry, as in 
 """
 from __future__ import annotations
 
+import functools
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -14,10 +15,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from transformers import PretrainedConfig
+from transformers.modeling_layers import GradientCheckpointingLayer
 
-from . import attention
+from . import attention, store
 from .config import DivisionConfig
-from .functions import BitDropout, GatedFn, LinearFn, RecomputeFn
+from .functions import BitDropout, CheckpointFn, GatedFn, LinearFn, RecomputeFn
 
 STATE_ATTR = "_division_state"
 
@@ -30,7 +32,7 @@ class _State:
 
 
 def _training(module: nn.Module) -> bool:
-    return module.training and torch.is_grad_enabled()
+    return module.training and store.active()
 
 
 # ----------------------------------------------------------------------------- module wrappers
@@ -127,6 +129,27 @@ def patch_dropouts(state: _State, model: nn.Module) -> None:
     _wrap(state, model, make)
 
 
+def patch_checkpointing(state: _State, model: nn.Module) -> None:
+    """Layers Transformers checkpoints (``GradientCheckpointingLayer`` with checkpointing on, e.g.
+    ``activation_checkpointing_enable(every_n_layers=...)``) run through :class:`CheckpointFn`:
+    the boundary input is kept compressed instead of whole, and the recomputation in backward
+    saves nothing compressed. Checked at call time, so enabling checkpointing later works too."""
+    config = state.config
+
+    def make(orig):
+        def forward(self, *args, **kwargs):
+            if getattr(self, "gradient_checkpointing", False) and _training(self):
+                inner = type(self).forward.__wrapped__  # the layer's forward without checkpointing
+                return CheckpointFn.apply(functools.partial(inner, self, **kwargs), config, *args)
+            return orig(*args, **kwargs)
+
+        return forward
+
+    for module in model.modules():
+        if isinstance(module, GradientCheckpointingLayer):
+            _wrap(state, module, make)
+
+
 def patch_modules(
     state: _State, root: nn.Module, norm_types=(nn.LayerNorm,), activation_types=(), conv1d_types=()
 ) -> None:
@@ -205,6 +228,7 @@ def apply_division(model: nn.Module, config: DivisionConfig | None = None) -> nn
     state = _State(config)
     try:
         patcher(base, state)
+        patch_checkpointing(state, base)
         patch_dropouts(state, base)
     except BaseException:
         _undo(base, state)

@@ -8,6 +8,7 @@ memory freed during the forward is reused at the same address for another tensor
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Callable
 
@@ -56,6 +57,25 @@ class Entry:
         own = [t for t in (p.packed, p.lo, p.scale, p.lfc, p.cscale) if t is not None] if p is not None else []
         own += [self.sign[0]] if self.sign is not None else []
         return own + list(self.extra)
+
+
+# ----------------------------------------------------------------------------- recomputation
+_recomputing = [0]
+
+
+def active() -> bool:
+    """Whether ops should compress what they save: training with grad, and not inside a
+    checkpoint's backward recomputation (whose saved tensors are consumed at once)."""
+    return torch.is_grad_enabled() and not _recomputing[0]
+
+
+@contextlib.contextmanager
+def recomputing():
+    _recomputing[0] += 1
+    try:
+        yield
+    finally:
+        _recomputing[0] -= 1
 
 
 # ----------------------------------------------------------------------------- registry

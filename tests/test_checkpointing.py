@@ -1,0 +1,41 @@
+"""Division combined with Transformers' activation checkpointing."""
+import pytest
+import torch
+from datasets import Dataset
+
+import hf_division as hd
+from hf_division import Trainer, TrainingArguments
+from hf_division.fidelity import flat_grad
+
+from conftest import tiny_batch, tiny_model
+
+
+@pytest.mark.parametrize("every_n_layers", [1, 2])
+@pytest.mark.parametrize("model_type", ["bert", "llama"])
+def test_division_with_checkpointing(model_type, every_n_layers):
+    batch = tiny_batch(batch=4, seq=128)
+    model = tiny_model(model_type, "eager").train()
+    torch.manual_seed(0)
+    ref = model(**batch).logits
+    exact = flat_grad(model, batch, 0)
+    model.activation_checkpointing_enable(every_n_layers=every_n_layers)
+    mem = hd.measure_activation_memory(model, batch)  # baseline: checkpointing alone
+    assert mem.division_bytes < mem.baseline_bytes, mem.table()
+    hd.apply_division(model)
+    torch.manual_seed(0)
+    assert torch.equal(model(**batch).logits, ref)
+    cos = torch.nn.functional.cosine_similarity(flat_grad(model, batch, 0), exact, dim=0).item()
+    assert cos >= 0.98
+    hd.remove_division(model)
+    model.activation_checkpointing_disable()
+    assert hd.measure_activation_memory(model, batch).baseline_bytes > mem.baseline_bytes
+
+
+def test_trainer_division_and_checkpointing(tmp_path):
+    model = tiny_model("llama", "sdpa")
+    data = Dataset.from_dict({k: v.tolist() for k, v in tiny_batch(batch=8, seq=32, seed=3).items()})
+    args = TrainingArguments(output_dir=str(tmp_path), division=True, gradient_checkpointing=True, max_steps=2,
+                             per_device_train_batch_size=4, report_to=[], use_cpu=True, save_strategy="no",
+                             disable_tqdm=True)
+    result = Trainer(model=model, args=args, train_dataset=data).train()
+    assert result.global_step == 2 and torch.isfinite(torch.tensor(result.training_loss))
