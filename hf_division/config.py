@@ -1,6 +1,9 @@
 """`DivisionConfig`: what is compressed how. Defaults are the measured policy (docs/POLICY.md)."""
 from __future__ import annotations
 
+import copy
+import json
+import os
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -27,6 +30,14 @@ class DivisionConfig:
       the next linear layer, are recomputed from the same copy.
     * ``norm_bits``: inputs of LayerNorm/RMSNorm (the residual stream); their outputs, which feed
       the next layers, are recomputed from the same copy.
+
+    ``module_bits`` overrides these per module (e.g. as assigned by
+    :func:`hf_division.auto_precision.auto_precision`): a JSON object, a path to a JSON file, or
+    (in Python) a dict, mapping a module name (as in ``model.named_modules()`` of the unwrapped
+    ``PreTrainedModel``) to bits for every kind, or to ``{kind: bits}``. A name also covers the
+    modules below it; the longest name that sets a kind wins. Overrides are taken as given for
+    either method (ActNN's 2-bit cap applies only to the ``*_bits`` fields). A tensor shared by
+    several modules is compressed once, at the bits of the first module that keeps it.
     """
 
     method: str = "division"  # "division" (LFC + HFC) or "actnn" (per-group 2-bit, no LFC)
@@ -42,6 +53,7 @@ class DivisionConfig:
     min_numel: int = 4096  # smaller saved tensors are kept as they are
     dropout_bits: bool = True  # store dropout masks as 1 bit per element
     generic_fallback: bool = False  # patch unregistered model types generically (with a warning)
+    module_bits: str = ""  # per-module overrides of the *_bits fields (JSON / path / dict), see above
 
     def __post_init__(self):
         if self.method not in _METHODS:
@@ -60,12 +72,41 @@ class DivisionConfig:
             bits = getattr(self, f"{kind}_bits")
             if bits not in (0, 1, 2, 4, 8) or isinstance(bits, bool):
                 raise ValueError(f"DivisionConfig.{kind}_bits must be 0, 1, 2, 4 or 8, got {bits!r}")
+        self._overrides = _parse_module_bits(self.module_bits)
+        self._resolved: dict = {}  # this module's overrides, set by for_module
 
     # ------------------------------------------------------------------ derived settings
-    def bits(self, kind: str) -> int:
-        """HFC bits for a kind of saved tensor (ActNN: 2 everywhere a kind is compressed)."""
+    def bits(self, kind: str, name: str | None = None) -> int:
+        """HFC bits for a kind of saved tensor (ActNN: 2 everywhere a kind is compressed), in module
+        ``name`` if given (else in the module this config was made for by :meth:`for_module`)."""
+        override = self._resolved.get(kind) if name is None else self._override(kind, name)
+        if override is not None:
+            return override
         bits = getattr(self, f"{kind}_bits")
         return min(bits, 2) if self.method == "actnn" and bits else bits
+
+    def _override(self, kind: str, name: str) -> int | None:
+        best = None
+        for key, value in self._overrides.items():
+            if (name == key or name.startswith(key + ".")) and (best is None or len(key) > len(best[0])):
+                bits = value if isinstance(value, int) else value.get(kind)
+                if bits is not None:
+                    best = (key, bits)
+        return None if best is None else best[1]
+
+    def override_names(self) -> list[str]:
+        """The module names ``module_bits`` refers to."""
+        return list(self._overrides)
+
+    def for_module(self, name: str) -> "DivisionConfig":
+        """This config as module ``name`` sees it: ``bits(kind)`` answers with its overrides.
+        Without overrides for ``name``, ``self`` itself."""
+        resolved = {kind: b for kind in KINDS if (b := self._override(kind, name)) is not None}
+        if not resolved:
+            return self
+        out = copy.copy(self)
+        out._resolved = resolved
+        return out
 
     @property
     def effective_block_size(self) -> int:
@@ -81,3 +122,35 @@ class DivisionConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def _parse_module_bits(value) -> dict:
+    """``module_bits`` as ``{name: bits or {kind: bits}}``; ValueError naming the field if malformed."""
+    where = "DivisionConfig.module_bits"
+    if isinstance(value, str):
+        text = value.strip()
+        if not text:
+            return {}
+        if not text.startswith("{"):
+            if not os.path.isfile(text):
+                raise ValueError(f"{where} must be a JSON object or a path to a JSON file, got {value!r}")
+            with open(text, encoding="utf-8") as f:
+                text = f.read()
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{where} is not valid JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{where} must map module names to bits, got {type(value).__name__}")
+    out = {}
+    for name, spec in value.items():
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{where}: module names must be non-empty strings, got {name!r}")
+        per_kind = spec if isinstance(spec, dict) else {kind: spec for kind in KINDS}
+        for kind, bits in per_kind.items():
+            if kind not in KINDS:
+                raise ValueError(f"{where}[{name!r}]: unknown kind {kind!r}; kinds are {KINDS}")
+            if bits not in (0, 1, 2, 4, 8) or isinstance(bits, bool):
+                raise ValueError(f"{where}[{name!r}][{kind!r}] must be 0, 1, 2, 4 or 8, got {bits!r}")
+        out[name] = spec if isinstance(spec, int) else dict(spec)
+    return out

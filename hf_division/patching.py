@@ -29,6 +29,14 @@ class _State:
     config: DivisionConfig
     modules: list = field(default_factory=list)  # (module, previous instance forward or None)
     attn: list = field(default_factory=list)  # (config object, previous attn implementation)
+    names: dict = field(default_factory=dict)  # id(module) -> name in the model (for module_bits)
+
+
+def config_for(state: _State, module: nn.Module) -> DivisionConfig:
+    """The config ``module`` uses: ``state.config`` with its ``module_bits`` overrides resolved."""
+    if not state.config.override_names():
+        return state.config
+    return state.config.for_module(state.names.get(id(module), ""))
 
 
 def _training(module: nn.Module) -> bool:
@@ -52,7 +60,7 @@ def _wrap(state: _State, module: nn.Module, make_forward) -> None:
 def patch_linear(state: _State, module: nn.Module, transposed: bool = False, kind: str = "linear") -> None:
     """``nn.Linear`` (or, ``transposed``, GPT-2's ``Conv1D``): input kept compressed for the
     weight gradient."""
-    config = state.config
+    config = config_for(state, module)
 
     def make(orig):
         def forward(self, x):
@@ -71,7 +79,7 @@ KINKED = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.Hardtanh)
 
 def patch_recompute(state: _State, module: nn.Module, kind: str) -> None:
     """Norm or activation module ``y = f(x)``: input kept compressed, f recomputed in backward."""
-    config = state.config
+    config = config_for(state, module)
     params = tuple(module.parameters(recurse=False))
     exact_sign = isinstance(module, KINKED) or type(module).__name__ == "ReLUSquaredActivation"
 
@@ -90,7 +98,7 @@ def patch_gated_mlp(state: _State, mlp: nn.Module, up_first: bool = False) -> No
     """Gated MLP ``down(act(gate(x)) * up(x))`` (Llama, Mistral, Qwen, Gemma): gate and up kept
     compressed once, their product derived. ``mlp`` has ``gate_proj``, ``up_proj``, ``down_proj``
     and ``act_fn``; Phi-3's fused ``gate_up_proj`` is handled with ``up_first`` by its patcher."""
-    config = state.config
+    config = config_for(state, mlp)
     act = mlp.act_fn if hasattr(mlp, "act_fn") else mlp.activation_fn
     act_forward = types.MethodType(type(act).forward, act)  # unpatched: recomputed under autograd
 
@@ -134,9 +142,8 @@ def patch_checkpointing(state: _State, model: nn.Module) -> None:
     ``activation_checkpointing_enable(every_n_layers=...)``) run through :class:`CheckpointFn`:
     the boundary input is kept compressed instead of whole, and the recomputation in backward
     saves nothing compressed. Checked at call time, so enabling checkpointing later works too."""
-    config = state.config
 
-    def make(orig):
+    def make(orig, config):
         def forward(self, *args, **kwargs):
             if getattr(self, "gradient_checkpointing", False) and _training(self):
                 inner = type(self).forward.__wrapped__  # the layer's forward without checkpointing
@@ -147,7 +154,7 @@ def patch_checkpointing(state: _State, model: nn.Module) -> None:
 
     for module in model.modules():
         if isinstance(module, GradientCheckpointingLayer):
-            _wrap(state, module, make)
+            _wrap(state, module, functools.partial(make, config=config_for(state, module)))
 
 
 def patch_modules(
@@ -168,7 +175,7 @@ def patch_modules(
 def use_attention_interface(state: _State, model: nn.Module) -> None:
     """Route the model's attention through ``division_<impl>`` (see hf_division.attention)."""
     for module in model.modules():
-        module.__dict__[attention.CONFIG_ATTR] = state.config
+        module.__dict__[attention.CONFIG_ATTR] = config_for(state, module)
     state.attn = attention.switch(model)
 
 
@@ -225,7 +232,12 @@ def apply_division(model: nn.Module, config: DivisionConfig | None = None) -> nn
         if current.config == config:
             return model
         remove_division(base)
-    state = _State(config)
+    state = _State(config, names={id(m): name for name, m in base.named_modules()})
+    unknown = [n for n in config.override_names() if n not in state.names.values()]
+    if unknown:
+        raise ValueError(
+            f"DivisionConfig.module_bits names modules that {type(base).__name__} does not have: {unknown[:5]}"
+        )
     try:
         patcher(base, state)
         patch_checkpointing(state, base)
