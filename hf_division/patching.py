@@ -28,6 +28,7 @@ STATE_ATTR = "_division_state"
 class _State:
     config: DivisionConfig
     modules: list = field(default_factory=list)  # (module, previous instance forward or None)
+    n_modules: int = 0  # size of the module tree when last patched
     attn: list = field(default_factory=list)  # (config object, previous attn implementation)
     names: dict = field(default_factory=dict)  # id(module) -> name in the model (for module_bits)
 
@@ -117,17 +118,22 @@ def patch_gated_mlp(state: _State, mlp: nn.Module, up_first: bool = False) -> No
     _wrap(state, mlp, make)
 
 
-def patch_dropouts(state: _State, model: nn.Module) -> None:
-    """Every dropout in ``model``'s training forward, ``nn.Dropout`` or functional (OPT calls
-    ``F.dropout`` directly), keeps its mask as bits: the model's forward runs under a
+def patch_root(state: _State, model: nn.Module, repatch) -> None:
+    """The model's own forward: in training, (1) modules added after patching (PEFT's
+    ``get_peft_model`` after ``apply_division`` adds ``lora_A``/``lora_B``) get patched before they
+    run, by calling ``repatch`` when the module count changed; (2) every dropout, ``nn.Dropout`` or
+    functional (OPT calls ``F.dropout`` directly), keeps its mask as bits: the forward runs under a
     ``TorchFunctionMode`` that routes ``F.dropout`` to :class:`DropoutFn`."""
     config = state.config
-    if not config.dropout_bits:
-        return
+    state.n_modules = sum(1 for _ in model.modules())
 
     def make(orig):
         def forward(self, *args, **kwargs):
             if not _training(self):
+                return orig(*args, **kwargs)
+            if sum(1 for _ in self.modules()) != state.n_modules:
+                repatch()
+            if not config.dropout_bits:
                 return orig(*args, **kwargs)
             with BitDropout():
                 return orig(*args, **kwargs)
@@ -176,7 +182,8 @@ def use_attention_interface(state: _State, model: nn.Module) -> None:
     """Route the model's attention through ``division_<impl>`` (see hf_division.attention)."""
     for module in model.modules():
         module.__dict__[attention.CONFIG_ATTR] = config_for(state, module)
-    state.attn = attention.switch(model)
+    if not state.attn:  # switched once; re-patching (new modules) must not switch again
+        state.attn = attention.switch(model)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -230,6 +237,7 @@ def apply_division(model: nn.Module, config: DivisionConfig | None = None) -> nn
     current = base.__dict__.get(STATE_ATTR)
     if current is not None:
         if current.config == config:
+            _patch_new_modules(base, current, patcher)  # e.g. adapters added since
             return model
         remove_division(base)
     state = _State(config, names={id(m): name for name, m in base.named_modules()})
@@ -239,14 +247,31 @@ def apply_division(model: nn.Module, config: DivisionConfig | None = None) -> nn
             f"DivisionConfig.module_bits names modules that {type(base).__name__} does not have: {unknown[:5]}"
         )
     try:
-        patcher(base, state)
-        patch_checkpointing(state, base)
-        patch_dropouts(state, base)
+        _patch_all(base, state, patcher)
+        patch_root(state, base, lambda: _patch_new_modules(base, state, patcher))
     except BaseException:
         _undo(base, state)
         raise
     base.__dict__[STATE_ATTR] = state
     return model
+
+
+def _patch_all(base: nn.Module, state: _State, patcher) -> None:
+    patcher(base, state)
+    patch_checkpointing(state, base)
+
+
+def _patch_new_modules(base: nn.Module, state: _State, patcher) -> None:
+    """Patch modules added after :func:`apply_division` (already patched ones are skipped)."""
+    done = len(state.modules)
+    try:
+        _patch_all(base, state, patcher)
+    except BaseException:  # leave the model as it was before this call
+        for module, previous in reversed(state.modules[done:]):
+            _restore(module, previous)
+        del state.modules[done:]
+        raise
+    state.n_modules = sum(1 for _ in base.modules())
 
 
 def remove_division(model: nn.Module) -> nn.Module:
@@ -265,10 +290,14 @@ def division_config_of(model: nn.Module) -> DivisionConfig | None:
 
 def _undo(base: nn.Module, state: _State) -> None:
     for module, previous in reversed(state.modules):
-        if previous is None:
-            module.__dict__.pop("forward", None)
-        else:
-            module.forward = previous
+        _restore(module, previous)
     attention.restore(state.attn)
     for module in base.modules():
         module.__dict__.pop(attention.CONFIG_ATTR, None)
+
+
+def _restore(module: nn.Module, previous) -> None:
+    if previous is None:
+        module.__dict__.pop("forward", None)
+    else:
+        module.forward = previous

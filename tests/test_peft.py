@@ -1,0 +1,102 @@
+"""PEFT adapters with division: before or after ``get_peft_model``, via the Trainer flag,
+adapter save/load, LoRA / DoRA / IA3."""
+import pytest
+import torch
+
+import hf_division as hd
+from hf_division.fidelity import gradient_cosine
+
+from conftest import tiny_batch, tiny_model
+
+peft = pytest.importorskip("peft")
+
+
+def _lora(model, **kw):
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value", "dense"], task_type="SEQ_CLS", **kw)
+    return peft.get_peft_model(model, cfg)
+
+
+def _lora_a(model):
+    return model.base_model.model.bert.encoder.layer[0].attention.self.query.lora_A["default"]
+
+
+def test_apply_before_get_peft_model_patches_adapters():
+    model = tiny_model("bert", "sdpa")
+    batch = tiny_batch()
+    hd.apply_division(model)
+    lora = _lora(model)
+    a = _lora_a(lora)
+    assert "forward" not in a.__dict__  # added after patching ...
+    torch.manual_seed(0)
+    lora.train()
+    lora(**batch).loss.backward()
+    assert "forward" in a.__dict__  # ... and patched before its first training forward
+    assert a.weight.grad is not None and torch.isfinite(a.weight.grad).all()
+    hd.remove_division(lora)
+    assert "forward" not in a.__dict__
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_lora_adapter_inputs_compressed(order):
+    batch = tiny_batch(batch=4, seq=128)
+    model = tiny_model("bert", "sdpa")
+    if order == "before":
+        hd.apply_division(model)
+        lora = _lora(model)
+        hd.remove_division(lora)
+    else:
+        lora = _lora(model)
+    mem = hd.measure_activation_memory(lora, batch)
+    # the lora_A inputs are the only large linear inputs LoRA keeps: they must shrink too
+    base_linear, div_linear = mem.by_kind["linear"]
+    assert div_linear * 4 < base_linear, mem.table()
+    assert mem.ratio >= 4, mem.table()
+    cos = gradient_cosine(lora, batch, seeds=(0, 1))
+    assert min(cos) >= 0.98, cos
+
+
+def test_trainer_flag_on_peft_model_and_adapter_roundtrip(tmp_path):
+    from datasets import Dataset
+
+    from hf_division import Trainer, TrainingArguments
+
+    model = tiny_model("bert", "sdpa")
+    lora = _lora(model)
+    b = tiny_batch(batch=16, seq=32)
+    ds = Dataset.from_dict({k: v.tolist() for k, v in b.items()})
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), division=True, max_steps=3, per_device_train_batch_size=8,
+                             learning_rate=1e-2, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
+    before = {n: p.detach().clone() for n, p in lora.named_parameters() if p.requires_grad}
+    Trainer(model=lora, args=args, train_dataset=ds).train()
+    assert hd.patching.division_config_of(lora) is not None
+    changed = [n for n, p in lora.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert any("lora_A" in n for n in changed)
+    lora.save_pretrained(tmp_path / "adapter")
+    hd.remove_division(lora)
+    lora.eval()
+    fresh = peft.PeftModel.from_pretrained(tiny_model("bert", "sdpa"), tmp_path / "adapter").eval()
+    batch = tiny_batch()
+    with torch.no_grad():
+        assert torch.equal(lora(**batch).logits, fresh(**batch).logits)
+
+
+@pytest.mark.parametrize("method", ["dora", "ia3"])
+def test_other_peft_methods(method):
+    batch = tiny_batch(batch=4, seq=128)
+    model = tiny_model("bert", "sdpa")
+    if method == "dora":
+        wrapped = _lora(model, use_dora=True)
+    else:
+        wrapped = peft.get_peft_model(model, peft.IA3Config(target_modules=["key", "value", "output.dense"],
+                                                            feedforward_modules=["output.dense"], task_type="SEQ_CLS"))
+    wrapped.train()
+    torch.manual_seed(1)
+    ref = wrapped(**batch).logits
+    hd.apply_division(wrapped)
+    torch.manual_seed(1)
+    assert torch.equal(wrapped(**batch).logits, ref)  # training forward unchanged
+    hd.remove_division(wrapped)
+    cos = gradient_cosine(wrapped, batch, seeds=(0, 1))
+    assert min(cos) >= 0.98, cos
+    mem = hd.measure_activation_memory(wrapped, batch)
+    assert mem.ratio >= 2, mem.table()
