@@ -1,10 +1,12 @@
 """Trainer integration: ``TrainingArguments(division=True, division_<field>=...)`` and ``Trainer``.
 
-``TrainingArguments`` gains ``division`` plus one ``division_<field>`` argument per
-:class:`DivisionConfig` field (same types and defaults), so ``HfArgumentParser`` exposes
-``--division --division_block_size 8 ...``. ``Trainer`` applies division when training starts,
-as Transformers does for ``use_liger_kernel``; evaluation and prediction run the original forward
-(division only acts in train mode with grad enabled), and checkpoints are plain Transformers ones.
+``TrainingArguments`` (and ``Seq2SeqTrainingArguments``) gain ``division`` plus one
+``division_<field>`` argument per :class:`DivisionConfig` field (same types and defaults), so
+``HfArgumentParser`` exposes ``--division --division_block_size 8 ...``. ``Trainer`` applies
+division when training starts, as Transformers does for ``use_liger_kernel``; evaluation and
+prediction run the original forward (division only acts in train mode with grad enabled), and
+checkpoints are plain Transformers ones. :class:`DivisionCallback` does the same for any
+``transformers.Trainer`` (``hf-division run`` installs it for unmodified scripts).
 """
 from __future__ import annotations
 
@@ -33,24 +35,50 @@ def _division_config(self) -> DivisionConfig:
     return DivisionConfig(**{name: getattr(self, PREFIX + name) for name in DivisionConfig.field_names()})
 
 
-def _post_init(self):
-    transformers.TrainingArguments.__post_init__(self)
-    self.division_config()  # a bad division_* value fails here, naming the field
+def with_division(args_cls: type) -> type:
+    """``args_cls`` (a ``TrainingArguments`` class) plus the ``division`` / ``division_*`` fields."""
+
+    def __post_init__(self):
+        args_cls.__post_init__(self)
+        self.division_config()  # a bad division_* value fails here, naming the field
+
+    cls = dataclasses.make_dataclass(
+        args_cls.__name__,
+        _division_fields(),
+        bases=(args_cls,),
+        namespace={"division_config": _division_config, "__post_init__": __post_init__, "__module__": __name__},
+    )
+    cls.__doc__ = __doc__
+    return cls
 
 
-TrainingArguments = dataclasses.make_dataclass(
-    "TrainingArguments",
-    _division_fields(),
-    bases=(transformers.TrainingArguments,),
-    namespace={"division_config": _division_config, "__post_init__": _post_init, "__module__": __name__},
-)
-TrainingArguments.__doc__ = __doc__
+TrainingArguments = with_division(transformers.TrainingArguments)
+Seq2SeqTrainingArguments = with_division(transformers.Seq2SeqTrainingArguments)
+
+
+def _apply(model, args) -> None:
+    if getattr(args, "division", False) and model is not None:
+        apply_division(model, args.division_config())
+
+
+class DivisionCallback(transformers.TrainerCallback):
+    """Applies division to the Trainer's model when training begins, if ``args.division``."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        _apply(model, args)
 
 
 class Trainer(transformers.Trainer):
     """``transformers.Trainer`` that applies division when training starts if ``args.division``."""
 
     def train(self, *args, **kwargs):
-        if getattr(self.args, "division", False):
-            apply_division(self.model, self.args.division_config())
+        _apply(self.model, self.args)
+        return super().train(*args, **kwargs)
+
+
+class Seq2SeqTrainer(transformers.Seq2SeqTrainer):
+    """``transformers.Seq2SeqTrainer`` that applies division when training starts if ``args.division``."""
+
+    def train(self, *args, **kwargs):
+        _apply(self.model, self.args)
         return super().train(*args, **kwargs)

@@ -1,0 +1,59 @@
+"""Run an unmodified Transformers example script with division available.
+
+    hf-division run SCRIPT.py [ARGS]        (console entry point)
+    python -m hf_division.run SCRIPT.py [ARGS]
+    accelerate launch -m hf_division.run SCRIPT.py [ARGS]
+
+Before the script runs, ``transformers.TrainingArguments`` / ``Seq2SeqTrainingArguments`` are
+replaced by the hf-division subclasses (so the script's own ``HfArgumentParser`` accepts
+``--division`` and every ``--division_<field>``), and :class:`~hf_division.trainer.DivisionCallback`
+joins Transformers' default callbacks (so any ``Trainer`` the script builds applies division when
+training begins). The script then runs as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]``.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+_INSTALLED = False
+
+
+def install() -> None:
+    """Make ``transformers`` hand out the division-aware argument classes and callback. Idempotent."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    import transformers
+    import transformers.trainer as hf_trainer
+    import transformers.training_args as hf_training_args
+    import transformers.training_args_seq2seq as hf_seq2seq_args
+
+    from . import trainer
+
+    for module, name in ((transformers, "TrainingArguments"), (hf_training_args, "TrainingArguments"),
+                         (transformers, "Seq2SeqTrainingArguments"), (hf_seq2seq_args, "Seq2SeqTrainingArguments")):
+        setattr(module, name, getattr(trainer, name))
+    hf_trainer.DEFAULT_CALLBACKS.append(trainer.DivisionCallback)
+    _INSTALLED = True
+
+
+def run_script(script: str, args: list[str]) -> None:
+    if not os.path.isfile(script):
+        raise SystemExit(f"hf-division run: no such script: {script}")
+    install()
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        raise SystemExit(0 if argv else 2)
+    run_script(argv[0], argv[1:])
+
+
+if __name__ == "__main__":
+    main()

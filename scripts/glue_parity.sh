@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Accuracy parity on real GLUE data with real MiniLM-L6: baseline vs division (default policy),
+# identical hyper-parameters, seeds 0 1 2; LoRA vs LoRA+division on MRPC. Arms are interleaved so
+# machine load affects them alike. Then writes the table: python scripts/parity_table.py OUT
+#   usage: scripts/glue_parity.sh [GLUE_DIR=../shared/data/glue] [OUT=out/parity] [SEEDS="0 1 2"]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+GLUE=${1:-../shared/data/glue}
+OUT=${2:-out/parity}
+SEEDS=${3:-"0 1 2"}
+PY=${PYTHON:-python}
+MODEL=$($PY -c "from hf_division.minilm import minilm_path; print(minilm_path())")
+COMMON=(--model_name_or_path "$MODEL" --glue_dir "$GLUE" --do_train --do_eval --max_seq_length 128
+        --pad_to_max_length false --per_device_train_batch_size 32 --per_device_eval_batch_size 128
+        --warmup_steps 0.1 --weight_decay 0.01 --eval_strategy no --save_strategy no --logging_steps 25
+        --report_to none --disable_tqdm true --dataloader_pin_memory false)
+run() {  # run NAME ARGS...
+  local dir="$OUT/$1"; shift
+  if [ -f "$dir/division_report.json" ]; then echo "skip $dir (done)"; return; fi
+  echo "== $dir $(date -u +%FT%TZ)"
+  $PY scripts/run_glue.py "${COMMON[@]}" --output_dir "$dir" "$@" > "$dir.log" 2>&1 || { echo "FAILED: see $dir.log"; exit 1; }
+  rm -f "$dir"/model.safetensors "$dir"/adapter_model.safetensors
+  tail -3 "$dir.log"
+}
+mkdir -p "$OUT"
+for seed in $SEEDS; do
+  for arm in baseline division; do
+    flag=(); [ "$arm" = division ] && flag=(--division)
+    run "sst2_${arm}_s$seed" --task_name sst2 --max_train_samples 4000 --num_train_epochs 2 --learning_rate 5e-5 --seed "$seed" "${flag[@]}"
+    run "mrpc_${arm}_s$seed" --task_name mrpc --num_train_epochs 3 --learning_rate 5e-5 --seed "$seed" "${flag[@]}"
+    run "rte_${arm}_s$seed" --task_name rte --num_train_epochs 3 --learning_rate 5e-5 --seed "$seed" "${flag[@]}"
+    run "mrpc_lora-${arm}_s$seed" --task_name mrpc --num_train_epochs 3 --learning_rate 5e-4 --seed "$seed" \
+        --use_lora --lora_r 8 --lora_alpha 16 --lora_dropout 0.1 "${flag[@]}"
+  done
+done
+$PY scripts/parity_table.py "$OUT"
