@@ -34,21 +34,25 @@ def _make(impl: str):
     def division_attention(module, query, key, value, attention_mask, **kwargs):
         orig = original_attention(impl, module)
         config = getattr(module, CONFIG_ATTR, None)
+        # tensor arguments that need a gradient (T5's relative position bias) become inputs of
+        # AttentionFn: captured in ``call`` only, their gradient would be lost
+        names = [n for n, t in kwargs.items() if isinstance(t, torch.Tensor) and t.requires_grad]
+        extra = [kwargs[n] for n in names]
         if (
             config is None
             or config.bits("attention") == 0
             or not (store.active() and module.training)
-            or not (query.requires_grad or key.requires_grad or value.requires_grad)
+            or not any(t.requires_grad for t in (query, key, value, *extra))
             or kwargs.get("output_attentions")
         ):
             return orig(module, query, key, value, attention_mask, **kwargs)
-        if isinstance(attention_mask, torch.Tensor):
-            store.account_tensors([attention_mask], "attention")
+        held = [attention_mask] + [t for t in kwargs.values() if isinstance(t, torch.Tensor) and not t.requires_grad]
+        store.account_tensors([t for t in held if isinstance(t, torch.Tensor)], "attention")
 
-        def call(q, k, v):
-            return orig(module, q, k, v, attention_mask, **kwargs)[0]
+        def call(q, k, v, *ex):
+            return orig(module, q, k, v, attention_mask, **{**kwargs, **dict(zip(names, ex))})[0]
 
-        return AttentionFn.apply(query, key, value, call, config), None
+        return AttentionFn.apply(query, key, value, call, config, *extra), None
 
     division_attention.__name__ = f"{PREFIX}{impl}"
     return division_attention
@@ -76,10 +80,21 @@ def text_configs(config) -> list:
     return found
 
 
+def configs_of(model) -> list:
+    """``text_configs`` plus any other config object a submodule reads its attention
+    implementation from (T5's encoder and decoder stacks each hold a copy of the model config)."""
+    found = text_configs(model.config)
+    for module in model.modules():
+        cfg = getattr(module, "config", None)
+        if hasattr(cfg, "_attn_implementation_internal") and all(cfg is not f for f in found):
+            found.append(cfg)
+    return found
+
+
 def switch(model) -> list[tuple[object, str]]:
     """Point every config of ``model`` at its division twin; return what to restore."""
     saved = []
-    for cfg in text_configs(model.config):
+    for cfg in configs_of(model):
         impl = cfg._attn_implementation or "eager"
         saved.append((cfg, cfg._attn_implementation_internal))
         cfg._attn_implementation_internal = register(impl)

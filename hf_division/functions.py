@@ -6,6 +6,7 @@ which kind) comes from the :class:`~hf_division.config.DivisionConfig` passed in
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import torch
@@ -16,6 +17,28 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import compressor, store
 from .config import DivisionConfig
+
+_AMP_DEVICES = ("cpu", "cuda")
+
+
+def autocast_state() -> tuple:
+    """``(device type, enabled, dtype)`` per autocast device, as the current forward runs.
+
+    A recomputation in backward must see the forward's autocast state: under autocast bf16 a
+    Linear outputs bf16 and a mask stays float32, so the same ops run without autocast mix dtypes
+    (or, with ``backward()`` called inside ``autocast``, would run in other dtypes than forward).
+    """
+    return tuple((d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AMP_DEVICES)
+
+
+@contextlib.contextmanager
+def autocast_as(state: tuple):
+    """Run the block under the autocast state captured by :func:`autocast_state`."""
+    with contextlib.ExitStack() as stack:
+        for device, enabled, dtype in state:
+            if enabled or torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+        yield
 
 
 class LinearFn(torch.autograd.Function):
@@ -59,9 +82,9 @@ class RecomputeFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn: Callable, config: DivisionConfig, kind: str, exact_sign: bool, x, *params):
         y = fn(x)
-        ctx.fn, ctx.entry = fn, store.keep(x, kind, config, exact_sign)
+        ctx.fn, ctx.entry, ctx.amp = fn, store.keep(x, kind, config, exact_sign), autocast_state()
         ctx.save_for_backward(*params)
-        store.derive(y, (ctx.entry,), _no_grad(fn))
+        store.derive(y, (ctx.entry,), _no_grad(fn, ctx.amp))
         return y
 
     @staticmethod
@@ -73,16 +96,18 @@ class RecomputeFn(torch.autograd.Function):
         wanted = [t for t, need in zip((x, *params), ctx.needs_input_grad[4:]) if need]
         grads = iter(())
         if wanted:
-            with torch.enable_grad():
+            with torch.enable_grad(), autocast_as(ctx.amp):
                 y = ctx.fn(x)
             grads = iter(torch.autograd.grad(y, wanted, grad, allow_unused=True))
         out = [next(grads) if need else None for need in ctx.needs_input_grad[4:]]
         return (None, None, None, None, *out)
 
 
-def _no_grad(fn):
+def _no_grad(fn, amp: tuple):
+    """``fn`` as a recipe for :func:`store.derive`: no autograd, the forward's autocast state."""
+
     def run(*args):
-        with torch.no_grad():
+        with torch.no_grad(), autocast_as(amp):
             return fn(*args)
 
     return run
@@ -100,7 +125,8 @@ class GatedFn(torch.autograd.Function):
         a = act(gate)
         h = up * a if up_first else a * up
         ctx.act, ctx.entries = act, (store.keep(gate, "activation", config), store.keep(up, "activation", config))
-        store.derive(h, ctx.entries, _no_grad(lambda g, u: u * act(g) if up_first else act(g) * u))
+        ctx.amp = autocast_state()
+        store.derive(h, ctx.entries, _no_grad(lambda g, u: u * act(g) if up_first else act(g) * u, ctx.amp))
         return h
 
     @staticmethod
@@ -110,7 +136,7 @@ class GatedFn(torch.autograd.Function):
         for e in ctx.entries:
             e.done()
         gate = gate.detach().requires_grad_(True)
-        with torch.enable_grad():
+        with torch.enable_grad(), autocast_as(ctx.amp):
             a = ctx.act(gate)
         g_up = grad * a.detach() if ctx.needs_input_grad[4] else None
         g_gate = torch.autograd.grad(a, gate, grad * up)[0] if ctx.needs_input_grad[3] else None
@@ -194,22 +220,25 @@ class _DropoutMasks(TorchDispatchMode):
 
 
 class AttentionFn(torch.autograd.Function):
-    """An attention function ``attn(module, q, k, v, mask, **kw) -> (out, weights)``.
+    """An attention function ``call(q, k, v, *extra) -> out``.
 
     Keeps q, k, v compressed (``(B, heads, T, d)``, token axis -2) and the dropout mask as bits;
     backward recomputes the attention under autograd with the same mask. The ``T x T`` maps are
     never stored, which is what makes long sequences cheap. Fused kernels that draw their own
-    dropout (CUDA) are replayed from the saved RNG state instead.
+    dropout (CUDA) are replayed from the saved RNG state instead. ``extra``: further tensors the
+    attention is differentiated for (T5's ``(1, heads, T, T)`` position bias, one per stack and
+    shared by its layers), kept as they are.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, call: Callable, config: DivisionConfig):
+    def forward(ctx, q, k, v, call: Callable, config: DivisionConfig, *extra):
         ctx.call, ctx.devices = call, [q.device] if q.is_cuda else []
         ctx.rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(q.device) if q.is_cuda else None
         with _DropoutMasks() as rec:
-            out = call(q, k, v)
+            out = call(q, k, v, *extra)
         ctx.masks = rec.masks
+        ctx.save_for_backward(*extra)
         ctx.entries = [store.keep(t, "attention", config) for t in (q, k, v)]
         held = [ctx.rng] + [b for b, _ in ctx.masks] + ([ctx.cuda_rng] if ctx.cuda_rng is not None else [])
         store.account_tensors(held, "attention")
@@ -222,15 +251,18 @@ class AttentionFn(torch.autograd.Function):
         for entry, need in zip(ctx.entries, ctx.needs_input_grad[:3]):
             qkv.append(entry.get().detach().requires_grad_(need))
             entry.done()
+        extra = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[5:])]
         with torch.random.fork_rng(devices=ctx.devices):
             torch.set_rng_state(ctx.rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, ctx.devices[0])
             with torch.enable_grad(), _DropoutMasks(replay=ctx.masks):
-                out = ctx.call(*qkv)
-        wanted = [t for t in qkv if t.requires_grad]
+                out = ctx.call(*qkv, *extra)
+        inputs = (*qkv, *extra)
+        wanted = [t for t in inputs if t.requires_grad]
         grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
-        return (*(next(grads) if t.requires_grad else None for t in qkv), None, None)
+        out_grads = [next(grads) if t.requires_grad else None for t in inputs]
+        return (*out_grads[:3], None, None, *out_grads[3:])
 
 
 class CheckpointFn(torch.autograd.Function):
@@ -247,6 +279,7 @@ class CheckpointFn(torch.autograd.Function):
         ctx.args = [store.keep(a, "norm", config) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
                     for a in args]
         store.account_tensors([ctx.rng], "norm")
+        ctx.amp = autocast_state()
         with torch.no_grad():
             return ctx.run(*args)
 
@@ -264,7 +297,7 @@ class CheckpointFn(torch.autograd.Function):
             torch.set_rng_state(ctx.rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, ctx.devices[0])
-            with torch.enable_grad(), store.recomputing():
+            with torch.enable_grad(), store.recomputing(), autocast_as(ctx.amp):
                 out = ctx.run(*args)
         outs = out if isinstance(out, tuple) else (out,)
         pairs = [(o, g) for o, g in zip(outs, grads) if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]

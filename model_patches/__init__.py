@@ -14,6 +14,8 @@ from .opt import apply_division_to_opt
 from .phi3 import apply_division_to_phi3
 from .qwen2 import apply_division_to_qwen2
 from .qwen3 import apply_division_to_qwen3
+from .t5 import apply_division_to_t5
+from .vit import apply_division_to_vit
 
 PATCHERS = {
     "bert": apply_division_to_bert,
@@ -30,4 +32,6 @@ PATCHERS = {
     "gemma": apply_division_to_gemma,
     "gemma2": apply_division_to_gemma2,
     "phi3": apply_division_to_phi3,
+    "t5": apply_division_to_t5,
+    "vit": apply_division_to_vit,
 }

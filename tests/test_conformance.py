@@ -1,15 +1,19 @@
 """One conformance suite, parametrized over every registered model type and attention impl."""
 import pytest
 import torch
-from transformers import AutoModelForSequenceClassification
-
 import hf_division as hd
 from hf_division.fidelity import flat_grad, gradient_cosine
 
-from conftest import tiny_batch, tiny_model
+from conftest import case, tiny_batch, tiny_model
 
 TYPES = hd.supported_model_types()
 IMPLS = ["eager", "sdpa"]
+
+
+@pytest.fixture
+def batch(model_type):
+    """The default batch for ``model_type`` (tokens, or pixels for ViT)."""
+    return tiny_batch(model_type=model_type)
 
 
 def _forward(model, batch, seed):
@@ -50,7 +54,7 @@ def test_eval_and_no_grad_bit_identical(model_type, impl, batch):
 @pytest.mark.parametrize("model_type", TYPES)
 def test_gradient_fidelity_and_bytes(model_type, impl):
     model = tiny_model(model_type, impl)
-    batch = tiny_batch(batch=4, seq=128)
+    batch = tiny_batch(batch=4, seq=128, model_type=model_type)
     cos = gradient_cosine(model, batch, seeds=(0, 1))
     assert min(cos) >= 0.98, cos
     mem = hd.measure_activation_memory(model, batch)
@@ -85,7 +89,7 @@ def test_save_pretrained_reload_plain(model_type, batch, tmp_path):
     hd.apply_division(model)
     flat_grad(model, batch, 0)
     model.save_pretrained(tmp_path)
-    plain = AutoModelForSequenceClassification.from_pretrained(tmp_path)
+    plain = case(model_type).auto.from_pretrained(tmp_path)
     assert plain.config._attn_implementation in ("eager", "sdpa")
     sd = model.state_dict()
     assert set(plain.state_dict()) == set(sd)
@@ -120,7 +124,7 @@ def test_trainer_three_steps(model_type, tmp_path):
     from hf_division.patching import division_config_of
 
     model = tiny_model(model_type, "eager")
-    data = Dataset.from_dict({k: v.tolist() for k, v in tiny_batch(batch=12, seq=32, seed=2).items()})
+    data = Dataset.from_dict({k: v.tolist() for k, v in tiny_batch(batch=12, seq=32, seed=2, model_type=model_type).items()})
     args = TrainingArguments(output_dir=str(tmp_path), division=True, max_steps=3, per_device_train_batch_size=4,
                              report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)
     result = Trainer(model=model, args=args, train_dataset=data).train()
