@@ -40,7 +40,10 @@ def with_division(args_cls: type) -> type:
 
     def __post_init__(self):
         args_cls.__post_init__(self)
-        self.division_config()  # a bad division_* value fails here, naming the field
+        try:
+            self.division_config()
+        except ValueError as err:  # name the argument the user wrote, not the config field
+            raise ValueError(str(err).replace("DivisionConfig.", PREFIX)) from None
 
     cls = dataclasses.make_dataclass(
         args_cls.__name__,

@@ -1,0 +1,170 @@
+"""scripts/run_glue.py on the bundled GLUE fixtures (the original TSV layout, 24 rows per split)
+and ``hf-division run`` on an unmodified example-style script."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoTokenizer, BertConfig, BertModel
+
+from hf_division.glue import compute_metrics, read_split
+from hf_division.minilm import minilm_path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GLUE = os.path.join(ROOT, "tests", "fixtures", "glue")
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import run_glue  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_bert_dir(tmp_path_factory):
+    """A 2-layer random-init BERT encoder with the real MiniLM tokenizer, saved like a hub model."""
+    path = tmp_path_factory.mktemp("tiny-bert")
+    tok = AutoTokenizer.from_pretrained(minilm_path())
+    torch.manual_seed(0)
+    cfg = BertConfig(vocab_size=tok.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=128, max_position_embeddings=128)
+    BertModel(cfg).save_pretrained(path)  # no head: each task gets its own, as from a hub checkpoint
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def _args(model_dir, out, task, *extra):
+    return ["--model_name_or_path", model_dir, "--glue_dir", GLUE, "--task_name", task, "--do_train", "--do_eval",
+            "--max_steps", "2", "--per_device_train_batch_size", "8", "--max_seq_length", "64",
+            "--output_dir", str(out), "--report_to", "none", "--disable_tqdm", "true", "--save_strategy", "no",
+            "--division_min_numel", "0", *extra]
+
+
+METRIC = {"cola": "eval_matthews_correlation", "sst2": "eval_accuracy", "mrpc": "eval_f1", "stsb": "eval_pearson",
+          "rte": "eval_accuracy", "wnli": "eval_accuracy"}
+
+
+@pytest.mark.parametrize("task", sorted(METRIC))
+def test_every_glue_task_with_division(task, tiny_bert_dir, tmp_path):
+    report = run_glue.main(_args(tiny_bert_dir, tmp_path, task, "--division"))
+    assert report["division"] is True
+    assert METRIC[task] in report["metrics"]
+    mem = report["activation_memory"]
+    assert 0 < mem["division_bytes"] < mem["baseline_bytes"]
+    assert report["peak_memory_bytes"] > 0 and report["train_runtime_s"] > 0
+    with open(tmp_path / "all_results.json") as f:
+        saved = json.load(f)
+    assert saved[METRIC[task]] == pytest.approx(report["metrics"][METRIC[task]])
+    assert saved["activation_division_bytes"] == mem["division_bytes"]
+
+
+def test_lora_flags_and_json_args_file(tiny_bert_dir, tmp_path):
+    args = _args(tiny_bert_dir, tmp_path / "out", "mrpc", "--division", "--use_lora", "--lora_r", "4",
+                 "--lora_target_modules", "query", "value", "--pad_to_max_length", "false")
+    # the same arguments as one JSON file (the Transformers example convention)
+    keys = [a[2:] for a in args if a.startswith("--")]
+    parsed = {}
+    i = 0
+    while i < len(args):
+        key = args[i][2:]
+        values = []
+        i += 1
+        while i < len(args) and not args[i].startswith("--"):
+            values.append(args[i])
+            i += 1
+        if key == "lora_target_modules":
+            parsed[key] = values
+        else:
+            value = values[0] if values else "true"
+            parsed[key] = {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value)
+    assert set(keys) == set(parsed)
+    path = tmp_path / "args.json"
+    path.write_text(json.dumps(parsed))
+    report = run_glue.main([str(path)])
+    assert report["use_lora"] and report["division"]
+    assert os.path.isfile(tmp_path / "out" / "adapter_config.json")
+    assert report["activation_memory"]["division_bytes"] < report["activation_memory"]["baseline_bytes"]
+
+
+def test_bad_inputs_name_the_problem(tiny_bert_dir, tmp_path):
+    with pytest.raises(ValueError, match="task_name 'mnlx'"):
+        run_glue.main(_args(tiny_bert_dir, tmp_path, "mnlx"))
+    with pytest.raises(FileNotFoundError, match="no train file"):
+        run_glue.main(_args(tiny_bert_dir, tmp_path, "qnli"))  # QNLI ships no train.tsv
+    with pytest.raises(ValueError, match="division_linear_bits"):
+        run_glue.main(_args(tiny_bert_dir, tmp_path, "rte", "--division_linear_bits", "3"))
+
+
+def test_tsv_quirks_and_metrics():
+    mrpc = read_split(GLUE, "mrpc", "train")  # header starts with a BOM
+    assert len(mrpc["label"]) == 24 and set(mrpc["label"]) <= {0, 1}
+    cola = read_split(GLUE, "CoLA", "dev")  # no header
+    assert len(cola["label"]) == 25
+    rte = read_split(GLUE, "rte", "dev")  # string labels
+    assert set(rte["label"]) <= {0, 1}
+    stsb = read_split(GLUE, "sts-b", "train")
+    assert all(isinstance(x, float) for x in stsb["label"])
+    logits = torch.tensor([[2.0, 0.0], [0.0, 1.0], [1.0, 0.0], [0.0, 3.0]]).numpy()
+    labels = torch.tensor([0, 1, 1, 1]).numpy()
+    assert compute_metrics("mrpc", logits, labels) == pytest.approx(
+        {"accuracy": 0.75, "f1": 0.8, "combined_score": 0.775})
+    assert compute_metrics("cola", logits, labels)["matthews_correlation"] == pytest.approx(0.5773502691896258)
+    s = compute_metrics("stsb", torch.tensor([[1.0], [2.0], [3.0]]).numpy(), torch.tensor([1.0, 2.5, 2.9]).numpy())
+    assert s["spearmanr"] == pytest.approx(1.0) and 0.9 < s["pearson"] < 1.0
+
+
+EXAMPLE = '''
+"""An unmodified Transformers-example-style script: it knows nothing about hf-division."""
+import json, os
+import torch
+from datasets import Dataset
+from transformers import (AutoModelForSequenceClassification, HfArgumentParser, Trainer,
+                          TrainingArguments)
+
+
+def main():
+    (args,) = HfArgumentParser((TrainingArguments,)).parse_args_into_dataclasses()
+    model = AutoModelForSequenceClassification.from_pretrained(os.path.join(os.path.dirname(args.output_dir), "model"))
+    g = torch.Generator().manual_seed(0)
+    ds = Dataset.from_dict({"input_ids": torch.randint(5, 500, (16, 64), generator=g).tolist(),
+                            "labels": torch.randint(0, 2, (16,), generator=g).tolist()})
+    trainer = Trainer(model=model, args=args, train_dataset=ds)
+    trainer.train()
+    patched = getattr(model, "_division_state", None)
+    with open(args.output_dir + "/seen.json", "w") as f:
+        json.dump({"division": getattr(args, "division", None),
+                   "block_size": getattr(args, "division_block_size", None),
+                   "patched": patched is not None,
+                   "block_size_used": patched.config.block_size if patched else None}, f)
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+@pytest.mark.parametrize("entry", [["-m", "hf_division.run"], ["-m", "hf_division.cli", "run"]])
+def test_unmodified_script_runs_with_division(entry, tiny_bert_dir, tmp_path):
+    script = tmp_path / "example.py"
+    script.write_text(EXAMPLE)
+    (tmp_path / "model").symlink_to(tiny_bert_dir)
+    out = tmp_path / "out"
+    cmd = [sys.executable, *entry, str(script), "--output_dir", str(out), "--max_steps", "2",
+           "--per_device_train_batch_size", "8", "--report_to", "none", "--save_strategy", "no",
+           "--division", "--division_block_size", "8"]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads((out / "seen.json").read_text())
+    assert seen == {"division": True, "block_size": 8, "patched": True, "block_size_used": 8}
+
+
+def test_run_without_division_flag_leaves_model_alone(tiny_bert_dir, tmp_path):
+    script = tmp_path / "example.py"
+    script.write_text(EXAMPLE)
+    (tmp_path / "model").symlink_to(tiny_bert_dir)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "hf_division.run", str(script), "--output_dir", str(out), "--max_steps", "1",
+           "--report_to", "none", "--save_strategy", "no"]
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((out / "seen.json").read_text())["patched"] is False
