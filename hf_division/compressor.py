@@ -73,11 +73,19 @@ def unpack_bits(p: torch.Tensor, bits: int) -> torch.Tensor:
     return ((p.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).view(-1)
 
 
+#: multiplying 8 bytes of 0/1 (one int64, little-endian) by this gathers them into the top byte,
+#: byte i -> bit i: the same order as ``pack_bits(., 1)``, in one multiply instead of 8 shift/or passes
+_GATHER_BITS = 0x0102040810204080
+
+
 def pack_mask(mask: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Any-shape bool/0-1 tensor -> (``ceil(n / 8)`` uint8 bytes, ``n``)."""
-    flat = (mask != 0).reshape(-1).to(torch.uint8)
+    flat = (mask != 0).reshape(-1).view(torch.uint8)
     n = flat.numel()
-    return pack_bits(torch.nn.functional.pad(flat, (0, -n % 8)), 1), n
+    if n % 8:
+        flat = torch.nn.functional.pad(flat, (0, -n % 8))
+    words = flat.contiguous().view(torch.int64)  # int64 overflow wraps; only the top byte is kept
+    return ((words * _GATHER_BITS) >> 56).to(torch.uint8), n
 
 
 def unpack_mask(bits: torch.Tensor, n: int, shape) -> torch.Tensor:
@@ -225,6 +233,22 @@ def _round_to(v: torch.Tensor, down: bool) -> torch.Tensor:
     return torch.where(bad, torch.nextafter(r, toward), r)
 
 
+_FP16_MAX = torch.finfo(torch.float16).max
+_MIN_CSCALE = 2.0**-100
+
+
+def _lfc_rounding(lfc_dtype: torch.dtype, block_size: int) -> float:
+    """Bound of an LFC row's error relative to its block's max |x|: storing it in ``lfc_dtype``
+    (half an ulp, bounded by ``eps``) plus the float32 sum of ``block_size`` values."""
+    return torch.finfo(lfc_dtype).eps + block_size * torch.finfo(torch.float32).eps
+
+
+def _lfc_underflow(lfc_dtype: torch.dtype) -> float:
+    """Absolute error of an LFC value below the dtype's normal range (the subnormal spacing)."""
+    f = torch.finfo(lfc_dtype)
+    return f.smallest_normal * f.eps
+
+
 def compress(
     x: torch.Tensor,
     bits: int = 4,
@@ -255,12 +279,19 @@ def compress(
         token_dim, x3 = None, x.reshape(1, -1, 1).float()
     use_lfc = token_dim is not None and block_size > 1
     cscale = inv = None
+    if use_lfc and lfc_dtype == torch.float16 and x3.abs().amax() > _FP16_MAX:
+        lfc_dtype = torch.float32  # block means beyond fp16's range would store inf: widen this LFC
     if channel_scale and token_dim is not None:
         # a bound of each channel's |HFC| known before the split, so the scaling joins the split's
-        # pass: the channel's range with an LFC (an LFC row is a mean of its block), else max |x|
+        # pass: with an LFC, the channel's range (an LFC row is a mean of its block) plus the LFC's
+        # own rounding, which dominates a near-constant channel (a fp16 LFC flushing a tiny mean to
+        # 0 made such a channel's HFC 1e24 times its range and swamped every group it shared);
+        # without an LFC, max |x|
         hi, lo = x3.amax(dim=(0, 1)), x3.amin(dim=(0, 1))
-        cscale = hi - lo if use_lfc else torch.maximum(hi, lo.neg_())
-        cscale = torch.where(cscale > 0, cscale, torch.ones_like(cscale))
+        mag = torch.maximum(hi, lo.neg())
+        cscale = (hi - lo) + (mag * _lfc_rounding(lfc_dtype, block_size) + _lfc_underflow(lfc_dtype)) if use_lfc else mag
+        # a channel of (near) zeros: no scaling, and 1 / cscale stays finite
+        cscale = torch.where(cscale > _MIN_CSCALE, cscale, torch.ones_like(cscale))
         inv = 1.0 / cscale
     lfc = None
     if use_lfc:

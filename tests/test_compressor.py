@@ -125,3 +125,17 @@ def test_fused_matches_eager(bits, stochastic):
     # compiled code may fuse a multiply-add differently: at most a last-bit tie changes a code
     assert (codes_f != codes_e).float().mean() < 1e-4
     assert torch.allclose(yf, ye, atol=pf.scale.float().max().item() * 1.0001)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 13, 4096 + 3])
+def test_pack_mask_roundtrip_and_bit_order(n):
+    from hf_division.compressor import pack_bits, pack_mask, unpack_mask
+
+    g = torch.Generator().manual_seed(n)
+    mask = torch.rand(2 * n, generator=g) > 0.5
+    view = mask[::2]  # non-contiguous input
+    packed, count = pack_mask(view)
+    assert count == n and packed.dtype == torch.uint8 and packed.numel() == -(-n // 8)
+    assert torch.equal(unpack_mask(packed, count, (n,)).bool(), view)
+    flat = torch.nn.functional.pad(view.to(torch.uint8), (0, -n % 8))
+    assert torch.equal(packed, pack_bits(flat, 1))  # same layout as the generic packer
