@@ -315,7 +315,7 @@ def decompress(p: Packed) -> torch.Tensor:
     per_code = p.group_size * p.bits // 8
     (flat,) = _run_groups(_dequantize_tuple, p.lo.numel(), (p.packed, p.lo, p.scale), (per_code, 1, 1), (p.bits, p.group_size))
     if p.layout is None:
-        return flat[: math.prod(p.shape)].view(p.shape).to(p.dtype)
+        return _cast(flat[: math.prod(p.shape)].view(p.shape), p.dtype)
     perm, mem_shape, tdim = p.layout
     m, t, c = math.prod(mem_shape[:tdim]), mem_shape[tdim], math.prod(mem_shape[tdim + 1 :])
     tp = p.lfc.shape[1] * p.block_size if p.lfc is not None else t
@@ -327,11 +327,20 @@ def decompress(p: Packed) -> torch.Tensor:
         x = x.view(m, nb, p.block_size, c).add_(p.lfc.to(x.dtype).unsqueeze(2)).view(m, tp, c)
         if tp != t:
             x = x[:, :t].contiguous()
-    x = x.to(p.dtype).reshape(mem_shape)
+    x = _cast(x, p.dtype).reshape(mem_shape)
     inverse = [0] * len(perm)
     for i, d in enumerate(perm):
         inverse[d] = i
     return x.permute(inverse)
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 rebuilt values -> ``dtype``, clamped to its finite range: a value at the edge of
+    fp16's range (65504) plus its quantization error would otherwise round to inf."""
+    if dtype.is_floating_point and torch.finfo(dtype).max < torch.finfo(x.dtype).max:
+        big = torch.finfo(dtype).max
+        x = x.clamp_(-big, big)
+    return x.to(dtype)
 
 
 def _dequantize_tuple(packed, lo, scale, bits, group_size):

@@ -235,6 +235,7 @@ class AttentionFn(torch.autograd.Function):
         ctx.call, ctx.devices = call, [q.device] if q.is_cuda else []
         ctx.rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(q.device) if q.is_cuda else None
+        ctx.amp = autocast_state()
         with _DropoutMasks() as rec:
             out = call(q, k, v, *extra)
         ctx.masks = rec.masks
@@ -256,7 +257,7 @@ class AttentionFn(torch.autograd.Function):
             torch.set_rng_state(ctx.rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, ctx.devices[0])
-            with torch.enable_grad(), _DropoutMasks(replay=ctx.masks):
+            with torch.enable_grad(), _DropoutMasks(replay=ctx.masks), autocast_as(ctx.amp):
                 out = ctx.call(*qkv, *extra)
         inputs = (*qkv, *extra)
         wanted = [t for t in inputs if t.requires_grad]
