@@ -9,8 +9,10 @@ heads, 4 layers, random init) and a Llama-shaped decoder (``llama-4l``: hidden 5
 heads, intermediate 1536, 4 layers, random init), all as sequence classifiers on real SST-2 text
 (tokenized with MiniLM's tokenizer) so that the loss head is the same small one everywhere.
 
-Methods (``METHODS``): ``none``; ``division`` (default DivisionConfig); ``division-2b-lin``
-(the most aggressive DIVISION setting kept: see ``METHODS``); ``actnn``; ``ckpt`` (Transformers'
+Methods (``METHODS``): ``none``; ``division`` (default DivisionConfig); ``division-auto3``
+(the most aggressive DIVISION setting kept: no LFC, bits per layer and kind from
+``hf_division.auto_precision`` at 3 bits per element on average, calibrated per model on other
+SST-2 rows, ``--calib`` tokens); ``actnn``; ``ckpt`` (Transformers'
 ``activation_checkpointing_enable()``, non-reentrant); ``save_on_cpu``
 (``torch.autograd.graph.save_on_cpu``, pinned only on CUDA: on a CPU-only machine it moves
 nothing, the row shows what its hooks cost); ``division+ckpt``.
@@ -109,20 +111,43 @@ def make_batch(tokenizer, rows, batch: int, seq: int, device: str, offset: int =
 
 
 # ----------------------------------------------------------------------------- methods
-# The most aggressive DIVISION setting kept in the benchmark: linear inputs (the attention output
-# into its projection) at 2 bits, the rest at the default 4 bits, no LFC. Measured on MiniLM with
-# scripts/auto_precision.py / policy_search.py (docs/BENCHMARKS.md): lower settings fall below
-# a gradient cosine of ~0.95.
-AGGRESSIVE = dict(linear_bits=2, block_size=1)
+# The most aggressive DIVISION setting kept in the benchmark: no LFC (on token sequences the LFC
+# costs about as much as one more bit buys, docs/POLICY.md) and auto-precision at 3 bits per
+# element on average; measured on MiniLM in docs/BENCHMARKS.md ("Choosing the aggressive setting").
 METHODS = {
     "none": {},
     "division": {"division": {}},
-    "division-2b-lin": {"division": AGGRESSIVE},
+    "division-auto3": {"division": {"block_size": 1}, "auto_bits": 3.0},
     "actnn": {"division": {"method": "actnn"}},
     "ckpt": {"ckpt": True},
     "save_on_cpu": {"offload": True},
     "division+ckpt": {"division": {}, "ckpt": True},
 }
+
+
+#: DivisionConfig keyword arguments per method for the model being measured (auto-precision
+#: methods get their ``module_bits`` here, from :func:`resolve_configs`)
+RESOLVED: dict = {}
+
+
+def resolve_configs(model, batch, methods) -> dict:
+    """``{method: DivisionConfig kwargs}``; runs auto-precision for methods that ask for it."""
+    from hf_division.auto_precision import auto_precision
+
+    out = {}
+    for method in methods:
+        spec = METHODS[method]
+        if "division" not in spec:
+            continue
+        kwargs = dict(spec["division"])
+        if "auto_bits" in spec:
+            t0 = time.perf_counter()
+            result = auto_precision(model, batch, spec["auto_bits"], DivisionConfig(**kwargs), probe_bits=(2,))
+            kwargs["module_bits"] = result.config.module_bits
+            print(f"[auto-precision] {method}: {len(result.units)} units, average {result.average_bits:.2f} bits, "
+                  f"{time.perf_counter() - t0:.0f} s", flush=True)
+        out[method] = kwargs
+    return out
 
 
 def setup(model, method: str):
@@ -134,7 +159,7 @@ def setup(model, method: str):
     if spec.get("ckpt"):
         model.activation_checkpointing_enable()
     if "division" in spec:
-        apply_division(model, DivisionConfig(**spec["division"]))
+        apply_division(model, DivisionConfig(**RESOLVED.get(method, spec["division"])))
     if spec.get("offload"):
         pin = next(model.parameters()).is_cuda
         return lambda: torch.autograd.graph.save_on_cpu(pin_memory=pin)
@@ -282,6 +307,7 @@ def peak_child(job: dict) -> dict:
     """Peak bytes above the pre-step memory of one training step, per size (see module doc)."""
     device, autocast = job["device"], job["autocast"]
     torch.set_num_threads(job["threads"])
+    RESOLVED.update(job["configs"])
     model = build_model(job["model"], job["attn"], device, getattr(torch, job["dtype"]))
     tok = AutoTokenizer.from_pretrained(minilm_path())
     rows = sst2_rows(job["data"])
@@ -424,6 +450,13 @@ def tables_md(meta, records, fits, peak_png, time_png) -> str:
         "cosine to none's.",
         "",
     ]
+    auto = [m for m in meta["methods"] if "auto_bits" in METHODS[m]]
+    if auto:
+        lines += [", ".join(f"`{m}`" for m in auto) + ": DivisionConfig(" + ", ".join(
+            f"{k}={v}" for k, v in METHODS[auto[0]]["division"].items()) + f") with bits per layer and kind from "
+            f"auto-precision at {METHODS[auto[0]]['auto_bits']} bits per element on average, calibrated per model on "
+            f"rows {meta['calib_rows']} of `{meta['data']}` ({meta['calib']} tokens); the assignments are in the JSON "
+            "(`meta.configs`).", ""]
     for model in dict.fromkeys(r["model"] for r in records):
         lines += [f"### {model}: {DESCRIPTION.get(model, model)}", ""]
         for size in dict.fromkeys((r["batch"], r["seq"]) for r in records if r["model"] == model):
@@ -447,15 +480,27 @@ def tables_md(meta, records, fits, peak_png, time_png) -> str:
     return "\n".join(lines)
 
 
+def plain_ticks(axis):
+    """Log axes labelled 200, 300, ... instead of 2x10^2."""
+    from matplotlib.ticker import LogLocator, ScalarFormatter
+
+    axis.set_major_formatter(ScalarFormatter())
+    axis.set_minor_formatter(ScalarFormatter())
+    axis.set_minor_locator(LogLocator(subs=(2, 3, 5)))
+
+
 def plot(records, peak_path, time_path, meta):
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.ticker
     import matplotlib.pyplot as plt
 
     models = list(dict.fromkeys(r["model"] for r in records))
     methods = list(dict.fromkeys(r["method"] for r in records))
     colors = {m: plt.cm.tab10(i % 10) for i, m in enumerate(methods)}
+    markers = {m: "osD^vPX*"[i % 8] for i, m in enumerate(methods)}
+    dashes = {m: "-" if i % 2 == 0 else "--" for i, m in enumerate(methods)}  # lines that coincide stay visible
     fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
         rs = [r for r in records if r["model"] == model]
@@ -463,9 +508,15 @@ def plot(records, peak_path, time_path, meta):
         for method in methods:
             pts = sorted((r["batch"], r["peak_bytes"] / 2**20) for r in rs if r["method"] == method and r["seq"] == seq)
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=method, color=colors[method])
-        ax.set(title=f"{model}, seq {seq}", xlabel="batch size", ylabel="peak step memory (MiB)")
+                ax.plot(*zip(*pts), marker=markers[method], linestyle=dashes[method], label=method, color=colors[method],
+                        alpha=0.85)
+        ax.set(title=f"{model}, seq {seq}", xlabel="batch size", ylabel="peak step memory (MiB, log)")
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        plain_ticks(ax.yaxis)
+        ax.set_xticks(sorted({r["batch"] for r in rs if r["seq"] == seq}))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.suptitle(f"Peak memory of one training step ({meta['device_name']}, {meta['dtype']})", fontsize=10)
@@ -479,11 +530,13 @@ def plot(records, peak_path, time_path, meta):
         ref = max(((r["batch"], r["seq"]) for r in rs), key=lambda s: s[0] * s[1])
         for r in rs:
             if (r["batch"], r["seq"]) == ref:
-                ax.scatter(r["peak_bytes"] / 2**20, r["step_ratio"], color=colors[r["method"]], s=40)
-                ax.annotate(r["method"], (r["peak_bytes"] / 2**20, r["step_ratio"]), fontsize=7,
-                            xytext=(4, 3), textcoords="offset points")
-        ax.set(title=f"{model}, batch {ref[0]} x {ref[1]}", xlabel="peak step memory (MiB)", ylabel="step time / none")
+                ax.scatter(r["peak_bytes"] / 2**20, r["step_ratio"], color=colors[r["method"]], marker=markers[r["method"]],
+                           s=50, label=r["method"])
+        ax.set(title=f"{model}, batch {ref[0]} x {ref[1]}", xlabel="peak step memory (MiB, log)", ylabel="step time / none")
+        ax.set_xscale("log")
+        plain_ticks(ax.xaxis)
         ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
     fig.suptitle("Step-time ratio vs peak memory (lower left is better)", fontsize=10)
     fig.tight_layout()
     fig.savefig(time_path, dpi=110)
@@ -491,15 +544,15 @@ def plot(records, peak_path, time_path, meta):
 
 
 # ----------------------------------------------------------------------------- main
-def parse_sizes(values) -> list[tuple[int, int]]:
+def parse_sizes(values, option: str = "--sizes") -> list[tuple[int, int]]:
     out = []
     for v in values:
         try:
             b, s = (int(x) for x in v.lower().split("x"))
         except ValueError:
-            raise ValueError(f"--sizes: expected BATCHxSEQ like 32x128, got {v!r}") from None
+            raise ValueError(f"{option}: expected BATCHxSEQ like 32x128, got {v!r}") from None
         if b < 1 or s < 1:
-            raise ValueError(f"--sizes: batch and seq must be positive, got {v!r}")
+            raise ValueError(f"{option}: batch and seq must be positive, got {v!r}")
         out.append((b, s))
     return out
 
@@ -522,6 +575,7 @@ def main(argv=None):
     ap.add_argument("--tag", default=None, help="file name suffix (default: '' on CPU, '-cuda' on CUDA)")
     ap.add_argument("--quick", action="store_true", help="smoke test: tiny models and sizes, 2 rounds")
     ap.add_argument("--no-peak", action="store_true", help="skip the peak-memory subprocesses")
+    ap.add_argument("--calib", default="16x128", help="BATCHxSEQ of the auto-precision calibration batch (other rows)")
     ap.add_argument("--peak-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.peak_child:
@@ -537,9 +591,12 @@ def main(argv=None):
             args.rounds = 2
         if "--threads" not in given:
             args.threads = 1
+        if "--calib" not in given:
+            args.calib = "4x32"
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device available")
     sizes = parse_sizes(args.sizes)
+    (calib,) = parse_sizes([args.calib], "--calib")
     data = args.data or next((p for p in (os.path.join(os.path.dirname(HERE), "..", "shared", "data", "glue", "SST-2", "dev.tsv"),)
                               if os.path.exists(p)), BUNDLED)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
@@ -552,16 +609,27 @@ def main(argv=None):
         "threads": args.threads, "dtype": args.dtype, "autocast": args.autocast, "attn": args.attn,
         "rounds": args.rounds, "seed": args.seed, "data": os.path.relpath(data), "methods": args.methods,
         "torch": torch.__version__, "transformers": transformers.__version__, "peak_how": None,
-        "fit_mib": args.fit_mib, "fit_seq": max(s for _, s in sizes),
+        "fit_mib": args.fit_mib, "fit_seq": max(s for _, s in sizes), "calib": args.calib,
+        "calib_rows": f"{max(b for b, _ in sizes)}..{max(b for b, _ in sizes) + calib[0] - 1}", "configs": {},
     }
     tok = AutoTokenizer.from_pretrained(minilm_path())
     rows = sst2_rows(data)
     records, fits = [], {}
     for model_name in args.models:
+        model = build_model(model_name, args.attn, args.device, dtype)
+        calib_batch = make_batch(tok, rows, calib[0], calib[1], args.device, offset=max(b for b, _ in sizes))
+        RESOLVED.clear()
+        RESOLVED.update(resolve_configs(model, calib_batch, args.methods))
+        meta["configs"][model_name] = dict(RESOLVED)
+        del model, calib_batch
+        gc.collect()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()  # the peak processes share the device
         peaks = {}
         if not args.no_peak:
             job = dict(model=model_name, methods=args.methods, sizes=sizes, device=args.device, dtype=str(dtype).split(".")[1],
-                       autocast=args.autocast, threads=args.threads, attn=args.attn, data=data, fit_mib=args.fit_mib)
+                       autocast=args.autocast, threads=args.threads, attn=args.attn, data=data, fit_mib=args.fit_mib,
+                       configs=RESOLVED)
             for method, res in run_peak(job).items():
                 peaks[method], meta["peak_how"] = res["peaks"], res["how"]
                 if "fit" in res:
