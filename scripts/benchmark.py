@@ -200,7 +200,8 @@ def held_bytes(model, batch, method: str, autocast: bool = False) -> tuple[int, 
         tensors = [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
         if "forward" not in module.__dict__:  # Transformers' checkpoint keeps its args whole and an RNG state
             tensors += [a for a in args if isinstance(a, torch.Tensor)] + [torch.get_rng_state()]
-        # (with division, CheckpointFn keeps the positional inputs compressed: counted by the store)
+        else:  # division's CheckpointFn: floating inputs compressed (counted by the store), others whole
+            tensors += [a for a in args if isinstance(a, torch.Tensor) and not a.is_floating_point()]
         found.extend(t for t in tensors if t.untyped_storage().data_ptr() not in params)
 
     handles = [m.register_forward_pre_hook(on_layer, with_kwargs=True)
