@@ -113,6 +113,31 @@ def uniform(words: torch.Tensor) -> torch.Tensor:
     return words.float() * (1.0 / 65536) + (32768 + 0.5) / 65536
 
 
+# odd multipliers below 2**31: products with 32-bit values stay below 2**63, so no int64 overflow
+_MIX1, _MIX2 = 0x7FEB352D, 0x5BD1E995
+_LOW32 = 0xFFFFFFFF
+
+
+def hash_uniform(index: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    """Counter-based U(0, 1) noise: float32 ``(k + 0.5) / 2**24`` from a 32-bit integer hash of
+    ``index + seed`` (int64 tensors, broadcast). Elementwise, so inside a compiled kernel it costs
+    a few integer ops per element instead of a generator draw (``scripts/profile_compressor.py``);
+    a value is rounded up with a probability off by at most 2**-25 of its fraction."""
+    x = (index + seed) & _LOW32
+    x = x ^ (x >> 16)
+    x = (x * _MIX1) & _LOW32
+    x = x ^ (x >> 15)
+    x = (x * _MIX2) & _LOW32
+    x = x ^ (x >> 16)
+    return ((x >> 8).float() + 0.5) * (1.0 / 16777216)
+
+
+def noise_seed(device: torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
+    """A 0-d int64 seed in ``[0, 2**32)`` for :func:`hash_uniform`, drawn from ``generator``."""
+    where = generator.device if generator is not None else device
+    return torch.randint(0, 2**32, (), dtype=torch.int64, generator=generator, device=where).to(device)
+
+
 # ----------------------------------------------------------------------------- core math
 def _split(x3: torch.Tensor, block_size: int, lfc_dtype: torch.dtype, inv_scale: torch.Tensor | None = None):
     """(M, T, C) float32 -> (LFC in lfc_dtype (M, nb, C), HFC float32 (M, nb*b, C) padded with 0).
@@ -139,10 +164,11 @@ def _split(x3: torch.Tensor, block_size: int, lfc_dtype: torch.dtype, inv_scale:
     return lfc, hfc.view(m, nb * block_size, c)
 
 
-def quantize_groups(flat: torch.Tensor, words: torch.Tensor | None, bits: int, group_size: int):
+def quantize_groups(flat: torch.Tensor, seed: torch.Tensor | None, bits: int, group_size: int):
     """Flat float32 (a multiple of ``group_size``) -> (packed codes, lo, scale), one pair per group.
 
-    ``words``: int16 noise per element (:func:`noise_words`), or None for round-to-nearest.
+    ``seed``: 0-d int64 seed of the stochastic-rounding noise (:func:`noise_seed`; element ``i``
+    gets ``hash_uniform(i, seed)``), or None for round-to-nearest.
     ``lo`` is rounded down and ``scale`` up to the 16-bit dtype, so every value of the group lies
     inside ``[lo, lo + levels * scale]`` and clamping never biases the rounding. The directed
     rounding stays eager: inductor may fold a float32 -> bf16 -> float32 round trip away.
@@ -154,8 +180,8 @@ def quantize_groups(flat: torch.Tensor, words: torch.Tensor | None, bits: int, g
     scale16 = _round_to((hi - lo16.float()) * (1.0 / levels), down=False)
     s32 = scale16.float()
     inv = torch.where(s32 > 0, 1.0 / s32, torch.zeros_like(s32))
-    per = group_size if words is not None else None
-    (packed,) = _run_groups(encode_groups, g.shape[0], (flat, words, lo16.float(), inv), (group_size, per, 1, 1),
+    base = None if seed is None else torch.arange(g.shape[0], dtype=torch.int64, device=flat.device) * group_size
+    (packed,) = _run_groups(encode_groups, g.shape[0], (flat, base, seed, lo16.float(), inv), (group_size, 1, None, 1, 1),
                             (bits, group_size))
     return packed, lo16, scale16
 
@@ -166,10 +192,15 @@ def minmax_groups(flat, group_size: int):
     return g.amin(dim=1), g.amax(dim=1)
 
 
-def encode_groups(flat, words, lo, inv, bits: int, group_size: int):
-    """The elementwise part of :func:`quantize_groups`: ``(packed,)`` codes for float32 groups."""
+def encode_groups(flat, base, seed, lo, inv, bits: int, group_size: int):
+    """The elementwise part of :func:`quantize_groups`: ``(packed,)`` codes for float32 groups.
+    ``base``: (groups,) int64 index of each group's first element (None: round to nearest)."""
     g = flat.view(-1, group_size)
-    noise = uniform(words).view_as(g) if words is not None else 0.5
+    if base is None:
+        noise = 0.5
+    else:
+        index = base.unsqueeze(1) + torch.arange(group_size, dtype=torch.int64, device=flat.device)
+        noise = hash_uniform(index, seed)
     # y > 0 by construction, so the truncating cast is the floor; clamp guards the top code
     q = ((g - lo.unsqueeze(1)) * inv.unsqueeze(1) + noise).clamp_(0, (1 << bits) - 1).to(torch.uint8)
     return (pack_bits(q.view(-1), bits),)
@@ -210,7 +241,7 @@ def _run_groups(kernel, n_groups: int, args: tuple, per_group: tuple, static: tu
     fn, pieces, start = _compiled(kernel), [], 0
     for size in _CHUNKS:
         while n_groups - start >= size:
-            sliced = [a if k is None else a[start * k : (start + size) * k] for a, k in zip(args, per_group)]
+            sliced = [a if k is None or a is None else a[start * k : (start + size) * k] for a, k in zip(args, per_group)]
             try:
                 pieces.append(fn(*sliced, *static))
             except Exception as err:  # no C++ compiler, unsupported device, ...: stay correct, go eager
@@ -219,7 +250,7 @@ def _run_groups(kernel, n_groups: int, args: tuple, per_group: tuple, static: tu
                 return kernel(*args, *static)
             start += size
     if start < n_groups:
-        sliced = [a if k is None else a[start * k :] for a, k in zip(args, per_group)]
+        sliced = [a if k is None or a is None else a[start * k :] for a, k in zip(args, per_group)]
         pieces.append(kernel(*sliced, *static))
     return tuple(torch.cat(parts) for parts in zip(*pieces))
 
@@ -303,8 +334,8 @@ def compress(
     padded = -(-n // group_size) * group_size
     if padded != n:
         flat = torch.nn.functional.pad(flat, (0, padded - n))
-    words = noise_words(padded, flat.device, generator) if stochastic else None
-    packed, lo, scale = quantize_groups(flat, words, bits, group_size)
+    seed = noise_seed(flat.device, generator) if stochastic else None
+    packed, lo, scale = quantize_groups(flat, seed, bits, group_size)
     return Packed(packed, lo, scale, lfc, cscale, shape, dtype, layout, bits, block_size, group_size)
 
 

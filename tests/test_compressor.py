@@ -60,12 +60,24 @@ def test_stochastic_rounding_is_unbiased():
     assert ((decompress(p) - x).abs() > 5 * step / 2 / math.sqrt(K)).any()
 
 
-def test_rounding_noise_uniform():
-    u = uniform(noise_words(1 << 20, torch.device("cpu"), torch.Generator().manual_seed(0)))
+@pytest.mark.parametrize("source", ["generator", "hash"])
+def test_rounding_noise_uniform(source):
+    from hf_division.compressor import hash_uniform
+
+    n = 1 << 20
+    if source == "generator":
+        u = uniform(noise_words(n, torch.device("cpu"), torch.Generator().manual_seed(0)))
+    else:
+        u = hash_uniform(torch.arange(n), torch.tensor(123456789))
+        other = hash_uniform(torch.arange(n), torch.tensor(987654321))
+        assert abs(torch.corrcoef(torch.stack([u, other]))[0, 1].item()) < 0.005  # seeds give unrelated streams
     assert u.min() > 0 and u.max() < 1
     assert abs(u.mean().item() - 0.5) < 0.002
-    hist = torch.histc(u, bins=16, min=0, max=1) / u.numel()
-    assert (hist - 1 / 16).abs().max() < 0.002
+    assert abs(u.var().item() - 1 / 12) < 0.001
+    hist = torch.histc(u, bins=64, min=0, max=1) / u.numel()
+    assert (hist - 1 / 64).abs().max() < 0.001
+    # neighbours (consecutive indices) are uncorrelated
+    assert abs(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1].item()) < 0.005
 
 
 @pytest.mark.parametrize("shape", [(2, 1, 16), (2, 5, 16), (1, 9, 24), (3, 8, 8), (7, 40), (13,), (2, 3, 17, 10)])
