@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import compressor, store
 from .config import DivisionConfig
+from .sdpa_backward import GradientOnlySDPA
 
 _AMP_DEVICES = ("cpu", "cuda")
 
@@ -219,6 +220,9 @@ class _DropoutMasks(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+_FAST_SDPA = {"enabled": True}  # tests compare against the plain recomputation
+
+
 class AttentionFn(torch.autograd.Function):
     """An attention function ``call(q, k, v, *extra) -> out``.
 
@@ -257,8 +261,10 @@ class AttentionFn(torch.autograd.Function):
             torch.set_rng_state(ctx.rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, ctx.devices[0])
-            with torch.enable_grad(), _DropoutMasks(replay=ctx.masks), autocast_as(ctx.amp):
-                out = ctx.call(*qkv, *extra)
+            with torch.enable_grad(), _DropoutMasks(replay=ctx.masks) as replay, autocast_as(ctx.amp):
+                # CPU: sdpa's output is not recomputed, only its gradient (hf_division.sdpa_backward)
+                with GradientOnlySDPA(replay) if _FAST_SDPA["enabled"] and not ctx.devices else contextlib.nullcontext():
+                    out = ctx.call(*qkv, *extra)
         inputs = (*qkv, *extra)
         wanted = [t for t in inputs if t.requires_grad]
         grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())

@@ -1,0 +1,113 @@
+"""Backward of ``scaled_dot_product_attention`` written out, for the recomputation in
+:class:`~hf_division.functions.AttentionFn`.
+
+Recomputing attention under autograd (what AttentionFn does in general) runs the whole forward
+again, ``P @ V`` included, and then its backward. Only the gradients are wanted, so on CPU the
+recomputation intercepts ``F.scaled_dot_product_attention`` (a ``TorchFunctionMode``) and returns
+a placeholder whose backward computes ``dq, dk, dv`` directly from ``q, k, v``, the mask and the
+recorded dropout bits: the output product is skipped and the softmax is formed once.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from . import compressor
+
+_softmax = getattr(torch, "_safe_softmax", None)  # rows with every key masked give 0, as sdpa's math path
+
+
+def sdpa_grads(q, k, v, dout, attn_mask=None, keep=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """``(dq, dk, dv)`` of ``out = sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)`` for ``dout``.
+
+    q ``(..., H, Tq, E)``, k ``(..., Hk, Tk, E)``, v ``(..., Hk, Tk, Ev)``, dout ``(..., H, Tq, Ev)``;
+    ``attn_mask`` bool (True = attend) or additive float, broadcastable to ``(..., H, Tq, Tk)``;
+    ``keep``: the dropout keep mask ``(..., H, Tq, Tk)`` (0/1 uint8), or None without dropout.
+    ``enable_gqa``: ``H`` a multiple of ``Hk`` (query head i uses kv head ``i // (H // Hk)``).
+    Computed in float32; the gradients come back in the input dtypes.
+    """
+    dtypes = q.dtype, k.dtype, v.dtype
+    q, k, v, dout = (t.float() for t in (q, k, v, dout))
+    rep = q.shape[-3] // k.shape[-3]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = torch.matmul(q, k.transpose(-2, -1)).mul_(scale)
+    if is_causal:
+        tq, tk = s.shape[-2:]
+        s.masked_fill_(torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            s.masked_fill_(attn_mask.logical_not(), float("-inf"))
+        else:
+            s.add_(attn_mask)
+    p = _softmax(s, -1) if _softmax is not None else torch.softmax(s, -1)
+    del s
+    ds_scale = scale
+    if keep is not None:  # out = (P * keep / (1 - p_drop)) @ V: the constant is folded into the products
+        c = 1.0 / (1.0 - dropout_p)
+        dv = torch.matmul((p * keep).transpose(-2, -1), dout).mul_(c)
+        dp = torch.matmul(dout, v.transpose(-2, -1)).mul_(keep)
+        ds_scale = scale * c
+    else:
+        dv = torch.matmul(p.transpose(-2, -1), dout)
+        dp = torch.matmul(dout, v.transpose(-2, -1))
+    ds = torch._softmax_backward_data(dp, p, -1, torch.float32)
+    del dp, p
+    dq = torch.matmul(ds, k).mul_(ds_scale)
+    dk = torch.matmul(ds.transpose(-2, -1), q).mul_(ds_scale)
+    if rep > 1:
+        dk = dk.unflatten(-3, (-1, rep)).sum(-3)
+        dv = dv.unflatten(-3, (-1, rep)).sum(-3)
+    return dq.to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])
+
+
+class _Placeholder(torch.autograd.Function):
+    """Stands for sdpa's output in the recomputation: no value, only the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, keep, dropout_p, is_causal, scale, enable_gqa):
+        ctx.save_for_backward(q, k, v)
+        ctx.args = mask, keep, dropout_p, is_causal, scale, enable_gqa
+        return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v = ctx.saved_tensors
+        dq, dk, dv = sdpa_grads(q, k, v, dout, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+class GradientOnlySDPA(TorchFunctionMode):
+    """Routes ``F.scaled_dot_product_attention`` to :class:`_Placeholder` where it can: CPU tensors,
+    a mask that needs no gradient, and dropout bits recorded by ``masks`` (a replaying
+    ``_DropoutMasks``, whose next mask is this call's). Anything else runs as it is."""
+
+    def __init__(self, masks):
+        super().__init__()
+        self.masks = masks
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            routed = self._route(*args, **kwargs)
+            if routed is not None:
+                return routed
+        return func(*args, **kwargs)
+
+    def _route(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if query.device.type != "cpu" or (isinstance(attn_mask, torch.Tensor) and attn_mask.requires_grad):
+            return None
+        keep = None
+        if dropout_p > 0:
+            rec = self.masks
+            if rec.used >= len(rec.masks):
+                return None
+            bits, n = rec.masks[rec.used]
+            rec.used += 1
+            shape = (*query.shape[:-1], key.shape[-2])
+            keep = compressor.unpack_mask(bits, n, shape)
+        return _Placeholder.apply(query, key, value, attn_mask, keep, dropout_p, is_causal, scale, enable_gqa)

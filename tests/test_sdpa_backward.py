@@ -1,0 +1,86 @@
+"""The written-out sdpa backward used by AttentionFn's recomputation on CPU."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hf_division as hd
+from hf_division import functions
+from hf_division.fidelity import flat_grad
+from hf_division.sdpa_backward import sdpa_grads
+
+from conftest import tiny_batch, tiny_model
+
+
+def _inputs(h=4, hk=4, tq=24, tk=24, e=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, h, tq, e, generator=g, requires_grad=True)
+    k = torch.randn(2, hk, tk, e, generator=g, requires_grad=True)
+    v = torch.randn(2, hk, tk, e + 2, generator=g, requires_grad=True)
+    dout = torch.randn(2, h, tq, e + 2, generator=g)
+    return q, k, v, dout
+
+
+def _mask(kind, tq=24, tk=24):
+    g = torch.Generator().manual_seed(1)
+    if kind == "bool":
+        m = torch.rand(2, 1, tq, tk, generator=g) > 0.3
+        m[0, 0, 3] = False  # a row with every key masked
+        return m
+    if kind == "float":
+        return torch.randn(2, 1, tq, tk, generator=g)
+    return None
+
+
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_matches_autograd_of_sdpa(mask, causal, gqa):
+    if mask and causal:
+        pytest.skip("sdpa takes a mask or is_causal")
+    q, k, v, dout = _inputs(hk=2 if gqa else 4)
+    m = _mask(mask)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=causal, scale=0.3, enable_gqa=gqa)
+    ref = torch.autograd.grad(out, (q, k, v), dout)
+    got = sdpa_grads(q.detach(), k.detach(), v.detach(), dout, m, None, 0.0, causal, 0.3, gqa)
+    for a, b in zip(got, ref):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_dropout_keep_mask():
+    q, k, v, dout = _inputs()
+    m = _mask("bool")
+    keep = (torch.rand(2, 4, 24, 24, generator=torch.Generator().manual_seed(2)) > 0.25).to(torch.uint8)
+    s = (q @ k.transpose(-2, -1)) * 0.3
+    s = s.masked_fill(~m, float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    out = (p * keep / 0.75) @ v
+    ref = torch.autograd.grad(out, (q, k, v), dout)
+    got = sdpa_grads(q.detach(), k.detach(), v.detach(), dout, m, keep, 0.25, False, 0.3, False)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["bert", "llama"])
+def test_attention_fn_fast_path_matches_recomputation(model_type, monkeypatch):
+    from hf_division import sdpa_backward
+
+    calls = []
+    real = sdpa_backward.sdpa_grads
+    monkeypatch.setattr(sdpa_backward, "sdpa_grads", lambda *a: calls.append(a[5] is not None) or real(*a))
+    # bert: attention dropout 0.1 (sdpa's math path, recorded masks); llama: causal + GQA, no dropout
+    model = tiny_model(model_type, "sdpa", **({"attention_probs_dropout_prob": 0.1} if model_type == "bert" else {}))
+    batch = tiny_batch(pad_from=[64, 50, 64, 33])
+    cfg = hd.DivisionConfig(rounding="nearest", min_numel=0)  # deterministic compression
+    hd.apply_division(model, cfg)
+    fast = flat_grad(model, batch, 0)
+    # the fast path ran once per layer, with the recorded dropout bits where there is dropout
+    assert calls == [model_type == "bert"] * model.config.num_hidden_layers
+    functions._FAST_SDPA["enabled"] = False
+    try:
+        slow = flat_grad(model, batch, 0)
+    finally:
+        functions._FAST_SDPA["enabled"] = True
+    assert torch.isfinite(fast).all()
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-6)
+    assert not torch.equal(fast, torch.zeros_like(fast))
