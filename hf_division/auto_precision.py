@@ -76,7 +76,13 @@ class AutoPrecision:
 
     @property
     def predicted_error(self) -> float:
+        """Modelled relative squared gradient error, ``|g' - g|^2 / |g|^2``, of the assignment."""
         return sum(u.errors[u.bits] for u in self.units)
+
+    @property
+    def predicted_cosine(self) -> float:
+        """``1 / sqrt(1 + error)``: the cosine if the (unbiased) error is orthogonal to the gradient."""
+        return (1 + self.predicted_error) ** -0.5
 
     def table(self) -> str:
         probe_bits = sorted({b for u in self.units for b in u.probes})
@@ -86,7 +92,7 @@ class AutoPrecision:
             errs = " ".join(f"{u.probes[b]:>9.2e}" for b in probe_bits)
             rows.append(f"{u.name:<40} {u.kind:<10} {u.numel:>10} {errs} {u.bits:>4}")
         rows.append(f"average {self.average_bits:.3f} bits (budget {self.budget}), predicted relative error "
-                    f"{self.predicted_error:.2e}")
+                    f"{self.predicted_error:.2e}, predicted cosine {self.predicted_cosine:.4f}")
         return "\n".join(rows)
 
 

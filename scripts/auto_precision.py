@@ -65,11 +65,12 @@ def markdown(rows, units, argv) -> str:
         f"Measured {datetime.date.today().isoformat()} with `python scripts/auto_precision.py {' '.join(argv)}`",
         "(real MiniLM-L6, SST-2; sensitivities from a calibration batch, evaluated on another batch).",
         "",
-        "| method | budget (bits) | setting | average bits | held MiB | ratio to baseline | cos min | cos mean |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        "| method | budget (bits) | setting | average bits | held MiB | ratio to baseline | cos min | cos mean | predicted cos |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [f"| {r['method']} | {r['budget']:g} | {r['setting']} | {r['avg_bits']:.2f} | {r['held_mib']:.1f} "
-              f"| {r['ratio']:.1f} | {r['cos_min']:.4f} | {r['cos_mean']:.4f} |" for r in rows]
+              f"| {r['ratio']:.1f} | {r['cos_min']:.4f} | {r['cos_mean']:.4f} "
+              f"| {'' if r['predicted_cos'] is None else format(r['predicted_cos'], '.4f')} |" for r in rows]
     for method, table in units.items():
         budgets = list(table[0]["bits"]) if table else []
         lines += ["", f"{method}: per-unit relative gradient error when that unit alone is at the probe width "
@@ -104,22 +105,22 @@ def main(argv=None):
 
     rows, assignments, units = [], {}, {}
 
-    def row(method, budget, setting, avg_bits, config):
+    def row(method, budget, setting, avg_bits, config, predicted=None):
         report = measure_activation_memory(model, evaluate, config)
         cos = gradient_cosine(model, evaluate, config, seeds=args.seeds)
         rows.append(dict(method=method, budget=budget, setting=setting, avg_bits=avg_bits,
                          held_mib=report.division_bytes / 2**20, baseline_mib=report.baseline_bytes / 2**20,
-                         ratio=report.ratio, cos_min=min(cos), cos_mean=sum(cos) / len(cos)))
+                         ratio=report.ratio, cos_min=min(cos), cos_mean=sum(cos) / len(cos), predicted_cos=predicted))
         r = rows[-1]
         print(f"{method:<15} {budget:>6} {setting:<12} {avg_bits:>8.3f} {r['held_mib']:>9.2f} {r['ratio']:>6.1f} "
-              f"{r['cos_min']:>8.4f} {r['cos_mean']:>8.4f}", flush=True)
+              f"{r['cos_min']:>8.4f} {r['cos_mean']:>8.4f} {'' if predicted is None else f'{predicted:>9.4f}'}", flush=True)
 
     for method in args.methods:
         t0 = time.perf_counter()
         sens = measure_sensitivity(model, calib, DivisionConfig(**VARIANTS[method]), probe_bits=args.probe_bits, seed=0)
         print(f"\n{method}: sensitivities of {len(sens.units)} units measured in {time.perf_counter() - t0:.0f} s "
               f"on rows {args.batch}..{2 * args.batch - 1} (calibration); evaluated on rows 0..{args.batch - 1}")
-        print(f"{'method':<15} {'budget':>6} {'setting':<12} {'avg bits':>8} {'held MiB':>9} {'ratio':>6} {'cos min':>8} {'cos mean':>8}")
+        print(f"{'method':<15} {'budget':>6} {'setting':<12} {'avg bits':>8} {'held MiB':>9} {'ratio':>6} {'cos min':>8} {'cos mean':>8} {'predicted':>9}")
         done, results = set(), {}
         for budget in args.budgets:
             result = results[budget] = assign(sens, budget)
@@ -128,7 +129,7 @@ def main(argv=None):
                 if b not in done:
                     done.add(b)
                     row(method, budget, f"uniform {b}b", float(b), uniform(model, method, b))
-            row(method, budget, "auto", result.average_bits, result.config)
+            row(method, budget, "auto", result.average_bits, result.config, result.predicted_cosine)
         print(f"\n{'unit':<24} {'kind':<10} {'elements':>9} {'err@2b':>9} {'err@4b':>9} "
               + " ".join(f"{f'b@{b:g}':>6}" for b in results))
         units[method] = [dict(name=u.name, kind=u.kind, numel=u.numel, probes=dict(u.probes),

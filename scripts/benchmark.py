@@ -145,7 +145,7 @@ def resolve_configs(model, batch, methods) -> dict:
             result = auto_precision(model, batch, spec["auto_bits"], DivisionConfig(**kwargs), probe_bits=(2,))
             kwargs["module_bits"] = result.config.module_bits
             print(f"[auto-precision] {method}: {len(result.units)} units, average {result.average_bits:.2f} bits, "
-                  f"{time.perf_counter() - t0:.0f} s", flush=True)
+                  f"predicted cosine {result.predicted_cosine:.4f}, {time.perf_counter() - t0:.0f} s", flush=True)
         out[method] = kwargs
     return out
 
