@@ -9,6 +9,7 @@ memory freed during the forward is reused at the same address for another tensor
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import weakref
 from typing import Callable
 
@@ -138,20 +139,41 @@ def _release_unused(ref):
             parent.done()
 
 
-_generators: dict[torch.device, tuple[int, torch.Generator]] = {}
+# ----------------------------------------------------------------------------- rounding noise
+# Noise comes from generators of our own (one per device), so the model's RNG stream (dropout) is
+# untouched and the training forward stays bit-identical. They follow torch's seed: a new
+# ``torch.initial_seed()`` (``torch.manual_seed`` / ``set_seed`` with another seed) restarts them.
+# Re-seeding torch with the *same* seed is invisible from here, so training loops restart the
+# noise explicitly with ``reseed(step_seed(seed, step, rank))`` at every optimizer step (the
+# Trainer's DivisionCallback, ``hf_division.accelerate.reseed_for_step``): a run resumed from a
+# checkpoint then draws, from the resumed step on, the noise of the uninterrupted run.
+_noise = {"base": None, "seed": 0}  # base: torch.initial_seed() when last (re)seeded
+_generators: dict[torch.device, torch.Generator] = {}
+
+
+def reseed(seed: int) -> None:
+    """Restart the rounding noise of every device from ``seed`` (an int; 48 bits are used)."""
+    _noise.update(base=torch.initial_seed(), seed=int(seed))
+    _generators.clear()
+
+
+def step_seed(seed: int, step: int, rank: int = 0) -> int:
+    """The noise seed of optimizer step ``step`` on process ``rank`` of a run seeded with ``seed``
+    (a hash: neighbouring steps and ranks get unrelated streams)."""
+    digest = hashlib.blake2b(f"{int(seed)}/{int(step)}/{int(rank)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 def noise_generator(device: torch.device) -> torch.Generator:
-    """A generator of our own for rounding noise, so the model's RNG stream (dropout) is untouched
-    and the training forward stays bit-identical. Reseeded from ``torch.initial_seed()`` whenever
-    the user reseeds, so runs are reproducible under ``torch.manual_seed``."""
-    seed = torch.initial_seed()
-    cached = _generators.get(device)
-    if cached is None or cached[0] != seed:
-        gen = torch.Generator(device=device)
-        gen.manual_seed((seed ^ 0x5EED_D1F1) & 0xFFFF_FFFF_FFFF)
-        cached = _generators[device] = (seed, gen)
-    return cached[1]
+    """The rounding-noise generator for ``device`` (see the comment above)."""
+    base = torch.initial_seed()
+    if _noise["base"] != base:
+        reseed(base)
+    gen = _generators.get(device)
+    if gen is None:
+        gen = _generators[device] = torch.Generator(device=device)
+        gen.manual_seed((_noise["seed"] ^ 0x5EED_D1F1) & 0xFFFF_FFFF_FFFF)
+    return gen
 
 
 def pack(t: torch.Tensor, kind: str, config: DivisionConfig) -> compressor.Packed:

@@ -14,6 +14,7 @@ import dataclasses
 
 import transformers
 
+from . import store
 from .config import DivisionConfig
 from .patching import apply_division
 
@@ -65,10 +66,21 @@ def _apply(model, args) -> None:
 
 
 class DivisionCallback(transformers.TrainerCallback):
-    """Applies division to the Trainer's model when training begins, if ``args.division``."""
+    """Applies division to the Trainer's model when training begins, if ``args.division``, and
+    restarts the rounding noise at every optimizer step from ``(seed, step, process)``, so that a
+    run resumed from a checkpoint continues with the noise of the uninterrupted run."""
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         _apply(model, args)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if getattr(args, "division", False):
+            store.reseed(store.step_seed(args.seed, state.global_step, args.process_index))
+
+
+def _add_callback(trainer) -> None:
+    if not any(isinstance(cb, DivisionCallback) for cb in trainer.callback_handler.callbacks):
+        trainer.add_callback(DivisionCallback)
 
 
 class Trainer(transformers.Trainer):
@@ -76,6 +88,7 @@ class Trainer(transformers.Trainer):
 
     def train(self, *args, **kwargs):
         _apply(self.model, self.args)
+        _add_callback(self)
         return super().train(*args, **kwargs)
 
 
@@ -84,4 +97,5 @@ class Seq2SeqTrainer(transformers.Seq2SeqTrainer):
 
     def train(self, *args, **kwargs):
         _apply(self.model, self.args)
+        _add_callback(self)
         return super().train(*args, **kwargs)
