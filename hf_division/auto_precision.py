@@ -1,7 +1,7 @@
 """Auto-precision: bits per layer and tensor kind from measured gradient sensitivity.
 
 Given an average bit budget (e.g. 3.0 bits per compressed element), :func:`auto_precision`
-assigns each *unit* — one kind of saved tensor (``linear``, ``attention``, ``activation``,
+(or :func:`assign` on measured sensitivities) assigns each *unit* — one kind of saved tensor (``linear``, ``attention``, ``activation``,
 ``norm``) in one layer — a bit width from ``bits`` so that the gradient error is smallest, for
 either method (``DivisionConfig.method``). The result is a :class:`DivisionConfig` whose
 ``module_bits`` holds the assignment.
@@ -28,6 +28,8 @@ Design (cheap, once, not every step):
 4. **Assignment.** Minimise ``sum_u e_u(b_u)`` subject to ``sum_u n_u b_u <= budget * sum_u n_u``:
    a multiple-choice knapsack, solved exactly by dynamic programming over the budget cut into
    ``resolution`` steps (costs rounded up, so the budget is never exceeded).
+   Or, given a target gradient cosine instead (:func:`assign_for_cosine`), the smallest budget whose
+   assignment's predicted cosine ``1 / sqrt(1 + sum_u e_u)`` reaches it (bisection).
 
 Equal bytes: per-group min/scale, LFC and channel scales do not depend on the bits, so an
 assignment averaging ``budget`` bits holds the same bytes as every unit at ``budget`` bits, or fewer.
@@ -131,13 +133,18 @@ def _model_error(probes: dict, bits) -> dict:
 def _assign(units: list, bits, budget: float, resolution: int) -> None:
     """Exact multiple-choice knapsack by DP over ``resolution`` budget steps; sets ``u.bits``."""
     total = sum(u.numel for u in units)
-    capacity = budget * total
+    # costs counted above the narrowest width, so that all-narrowest (cost 0) is always feasible
+    capacity = (budget - bits[0]) * total
+    if capacity <= 0:
+        for u in units:
+            u.bits = bits[0]
+        return
     step = capacity / resolution
     inf = float("inf")
     best = [0.0] + [inf] * resolution  # best[c]: least error using at most c steps so far
     choices = []
     for u in units:
-        costs = {b: math.ceil(u.numel * b / step - 1e-9) for b in bits}
+        costs = {b: math.ceil(u.numel * (b - bits[0]) / step - 1e-9) for b in bits}
         new, pick = [inf] * (resolution + 1), [None] * (resolution + 1)
         for c in range(resolution + 1):
             for b in bits:
@@ -244,11 +251,40 @@ def assign(sensitivity: Sensitivity, budget: float, resolution: int = 2000) -> A
     return AutoPrecision(_with(sensitivity.config, assignment), float(budget), units, sensitivity.background_error)
 
 
-def auto_precision(model, batch: dict, budget: float, config: DivisionConfig | None = None, bits=BITS,
-                   probe_bits=(2, 4), seed: int = 0) -> AutoPrecision:
-    """Bits per layer and kind under an average ``budget`` of bits per compressed element: a
-    config to train with (``result.config``) and the evidence (``result.table()``). Arguments as
-    in :func:`measure_sensitivity`."""
+def assign_for_cosine(sensitivity: Sensitivity, target: float, resolution: int = 2000) -> AutoPrecision:
+    """The assignment with the fewest average bits whose predicted cosine is at least ``target``
+    (bisection on the budget, to 1/64 bit); the most precise one if no budget reaches it."""
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target < 1:
+        raise ValueError(f"auto_precision: target_cosine must be a number in (0, 1), got {target!r}")
+    lo, hi = float(sensitivity.bits[0]), float(sensitivity.bits[-1])
+    best = assign(sensitivity, hi, resolution)
+    if best.predicted_cosine < target:
+        return best
+    first = assign(sensitivity, lo, resolution)
+    if first.predicted_cosine >= target:
+        return first
+    while hi - lo > 1 / 64:
+        mid = (lo + hi) / 2
+        result = assign(sensitivity, mid, resolution)
+        if result.predicted_cosine >= target:
+            hi, best = mid, result
+        else:
+            lo = mid
+    return best
+
+
+def auto_precision(model, batch: dict, budget: float | None = None, config: DivisionConfig | None = None, bits=BITS,
+                   probe_bits=(2, 4), seed: int = 0, target_cosine: float | None = None) -> AutoPrecision:
+    """Bits per layer and kind under an average ``budget`` of bits per compressed element, or the
+    fewest bits whose predicted gradient cosine is at least ``target_cosine`` (give one of the
+    two): a config to train with (``result.config``) and the evidence (``result.table()``).
+    Other arguments as in :func:`measure_sensitivity`."""
+    if (budget is None) == (target_cosine is None):
+        raise ValueError("auto_precision: give exactly one of budget and target_cosine")
+    if target_cosine is not None:
+        if isinstance(target_cosine, bool) or not isinstance(target_cosine, (int, float)) or not 0 < target_cosine < 1:
+            raise ValueError(f"auto_precision: target_cosine must be a number in (0, 1), got {target_cosine!r}")
+        return assign_for_cosine(measure_sensitivity(model, batch, config, bits, probe_bits, seed), target_cosine)
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= min(bits, default=1):
         raise ValueError(f"auto_precision: budget must be a number of bits >= {min(bits, default=1)}, got {budget!r}")
     return assign(measure_sensitivity(model, batch, config, bits, probe_bits, seed), budget)

@@ -9,10 +9,10 @@ heads, 4 layers, random init) and a Llama-shaped decoder (``llama-4l``: hidden 5
 heads, intermediate 1536, 4 layers, random init), all as sequence classifiers on real SST-2 text
 (tokenized with MiniLM's tokenizer) so that the loss head is the same small one everywhere.
 
-Methods (``METHODS``): ``none``; ``division`` (default DivisionConfig); ``division-auto3``
-(the most aggressive DIVISION setting kept: no LFC, bits per layer and kind from
-``hf_division.auto_precision`` at 3 bits per element on average, calibrated per model on other
-SST-2 rows, ``--calib`` tokens); ``actnn``; ``ckpt`` (Transformers'
+Methods (``METHODS``): ``none``; ``division`` (default DivisionConfig); ``division-aggr``
+(the most aggressive DIVISION setting kept: no LFC, and the fewest bits per layer and kind whose
+predicted gradient cosine is >= 0.95, from ``hf_division.auto_precision``, calibrated per model on
+other SST-2 rows, ``--calib`` tokens); ``actnn``; ``ckpt`` (Transformers'
 ``activation_checkpointing_enable()``, non-reentrant); ``save_on_cpu``
 (``torch.autograd.graph.save_on_cpu``, pinned only on CUDA: on a CPU-only machine it moves
 nothing, the row shows what its hooks cost); ``division+ckpt``.
@@ -112,12 +112,13 @@ def make_batch(tokenizer, rows, batch: int, seq: int, device: str, offset: int =
 
 # ----------------------------------------------------------------------------- methods
 # The most aggressive DIVISION setting kept in the benchmark: no LFC (on token sequences the LFC
-# costs about as much as one more bit buys, docs/POLICY.md) and auto-precision at 3 bits per
-# element on average; measured on MiniLM in docs/BENCHMARKS.md ("Choosing the aggressive setting").
+# costs about as much as one more bit buys, docs/POLICY.md) and, per model, the fewest bits per
+# layer and kind whose predicted gradient cosine is >= 0.95 (docs/BENCHMARKS.md, "Choosing the
+# aggressive setting"). "auto_bits": B instead would fix the average at B bits.
 METHODS = {
     "none": {},
     "division": {"division": {}},
-    "division-auto3": {"division": {"block_size": 1}, "auto_bits": 3.0},
+    "division-aggr": {"division": {"block_size": 1}, "auto_cosine": 0.95},
     "actnn": {"division": {"method": "actnn"}},
     "ckpt": {"ckpt": True},
     "save_on_cpu": {"offload": True},
@@ -128,6 +129,7 @@ METHODS = {
 #: DivisionConfig keyword arguments per method for the model being measured (auto-precision
 #: methods get their ``module_bits`` here, from :func:`resolve_configs`)
 RESOLVED: dict = {}
+AUTO_INFO: dict = {}  # method -> average bits and predicted cosine of its auto-precision result
 
 
 def resolve_configs(model, batch, methods) -> dict:
@@ -140,10 +142,12 @@ def resolve_configs(model, batch, methods) -> dict:
         if "division" not in spec:
             continue
         kwargs = dict(spec["division"])
-        if "auto_bits" in spec:
+        if "auto_bits" in spec or "auto_cosine" in spec:
             t0 = time.perf_counter()
-            result = auto_precision(model, batch, spec["auto_bits"], DivisionConfig(**kwargs), probe_bits=(2,))
+            result = auto_precision(model, batch, spec.get("auto_bits"), DivisionConfig(**kwargs), probe_bits=(2,),
+                                    target_cosine=spec.get("auto_cosine"))
             kwargs["module_bits"] = result.config.module_bits
+            AUTO_INFO[method] = dict(average_bits=result.average_bits, predicted_cosine=result.predicted_cosine)
             print(f"[auto-precision] {method}: {len(result.units)} units, average {result.average_bits:.2f} bits, "
                   f"predicted cosine {result.predicted_cosine:.4f}, {time.perf_counter() - t0:.0f} s", flush=True)
         out[method] = kwargs
@@ -451,13 +455,17 @@ def tables_md(meta, records, fits, peak_png, time_png) -> str:
         "cosine to none's.",
         "",
     ]
-    auto = [m for m in meta["methods"] if "auto_bits" in METHODS[m]]
-    if auto:
-        lines += [", ".join(f"`{m}`" for m in auto) + ": DivisionConfig(" + ", ".join(
-            f"{k}={v}" for k, v in METHODS[auto[0]]["division"].items()) + f") with bits per layer and kind from "
-            f"auto-precision at {METHODS[auto[0]]['auto_bits']} bits per element on average, calibrated per model on "
-            f"rows {meta['calib_rows']} of `{meta['data']}` ({meta['calib']} tokens); the assignments are in the JSON "
-            "(`meta.configs`).", ""]
+    for m in meta["methods"]:
+        spec = METHODS[m]
+        if "auto_bits" in spec or "auto_cosine" in spec:
+            goal = (f"{spec['auto_bits']} bits per element on average" if "auto_bits" in spec
+                    else f"the fewest bits whose predicted gradient cosine is >= {spec['auto_cosine']}")
+            avg = ", ".join(f"{model} {info['average_bits']:.2f} bits (predicted cosine {info['predicted_cosine']:.3f})"
+                            for model, info in meta.get("auto", {}).get(m, {}).items())
+            lines += [f"`{m}`: DivisionConfig(" + ", ".join(f"{k}={v}" for k, v in spec["division"].items())
+                      + f") with bits per layer and kind from auto-precision at {goal}, calibrated per model on rows "
+                      f"{meta['calib_rows']} of `{meta['data']}` ({meta['calib']} tokens): {avg}; the assignments are in "
+                      "the JSON (`meta.configs`).", ""]
     for model in dict.fromkeys(r["model"] for r in records):
         lines += [f"### {model}: {DESCRIPTION.get(model, model)}", ""]
         for size in dict.fromkeys((r["batch"], r["seq"]) for r in records if r["model"] == model):
@@ -620,8 +628,11 @@ def main(argv=None):
         model = build_model(model_name, args.attn, args.device, dtype)
         calib_batch = make_batch(tok, rows, calib[0], calib[1], args.device, offset=max(b for b, _ in sizes))
         RESOLVED.clear()
+        AUTO_INFO.clear()
         RESOLVED.update(resolve_configs(model, calib_batch, args.methods))
         meta["configs"][model_name] = dict(RESOLVED)
+        for method, info in AUTO_INFO.items():
+            meta.setdefault("auto", {}).setdefault(method, {})[model_name] = info
         del model, calib_batch
         gc.collect()
         if args.device == "cuda":

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import hf_division as hd
-from hf_division.auto_precision import Unit, _assign, _model_error, assign, auto_precision, layer_of, measure_sensitivity
+from hf_division.auto_precision import (Sensitivity, Unit, _assign, _model_error, assign, assign_for_cosine,
+                                       auto_precision, layer_of, measure_sensitivity)
 from hf_division.config import KINDS, DivisionConfig
 from hf_division.fidelity import gradient_cosine
 from hf_division.measure import held_bytes
@@ -127,6 +128,26 @@ def test_assignment_is_optimal_and_within_budget():
         assert best(budget * total) <= got <= best(budget * total * (1 - len(units) / 4000))
 
 
+def _synthetic_units(n=6, seed=0, bits=(1, 2, 4, 8)):
+    g = torch.Generator().manual_seed(seed)
+    units = []
+    for i in range(n):
+        numel = int(torch.randint(1, 50, (1,), generator=g)) * 256
+        e2 = float(torch.rand(1, generator=g)) * 10 ** float(torch.randint(-4, -1, (1,), generator=g))
+        units.append(Unit(f"l.{i}", "linear", numel, {2: e2}, _model_error({2: e2}, bits)))
+    return units
+
+
+def test_assign_for_cosine_is_the_fewest_bits_reaching_the_target():
+    sens = Sensitivity(DivisionConfig(), (1, 2, 4, 8), _synthetic_units(), 0.0)
+    for target in (0.95, 0.99, 0.999):
+        result = assign_for_cosine(sens, target)
+        assert result.predicted_cosine >= target
+        assert assign(sens, result.budget - 1 / 32).predicted_cosine < target  # a little less budget falls short
+    with pytest.raises(ValueError, match="target_cosine"):
+        assign_for_cosine(sens, 1.5)
+
+
 def test_bad_auto_precision_input_names_field(batch):
     model = tiny_model("bert")
     with pytest.raises(ValueError, match="budget"):
@@ -139,6 +160,10 @@ def test_bad_auto_precision_input_names_field(batch):
         auto_precision(model, batch, 3.0, probe_bits=(5,))
     with pytest.raises(ValueError, match="module_bits"):
         auto_precision(model, batch, 3.0, DivisionConfig(module_bits={"classifier": 2}))
+    with pytest.raises(ValueError, match="one of budget and target_cosine"):
+        auto_precision(model, batch, 3.0, target_cosine=0.95)
+    with pytest.raises(ValueError, match="target_cosine"):
+        auto_precision(model, batch, target_cosine=1.0)
     with pytest.raises(ValueError, match="compresses no kind"):
         auto_precision(model, batch, 3.0, DivisionConfig(linear_bits=0, attention_bits=0, activation_bits=0, norm_bits=0))
 
