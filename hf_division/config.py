@@ -51,6 +51,7 @@ class DivisionConfig:
     activation_bits: int = 4
     norm_bits: int = 4
     min_numel: int = 4096  # smaller saved tensors are kept as they are
+    norm_row_scale: bool = True  # norm inputs: each token divided by its RMS (kept exact) before compression
     dropout_bits: bool = True  # store dropout masks as 1 bit per element
     generic_fallback: bool = False  # patch unregistered model types generically (with a warning)
     module_bits: str = ""  # per-module overrides of the *_bits fields (JSON / path / dict), see above

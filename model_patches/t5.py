@@ -16,14 +16,14 @@ import torch
 from transformers.models.t5.modeling_t5 import T5DenseGatedActDense, T5LayerNorm
 
 from hf_division.functions import GatedFn
-from hf_division.patching import _training, _wrap
+from hf_division.patching import _training, _wrap, config_for
 
 from .common import encoder_patcher
 
 
 def _patch_gated_ff(state, ff: T5DenseGatedActDense) -> None:
     """``wo(dropout(act(wi_0(x)) * wi_1(x)))``: gate and up kept compressed once, product derived."""
-    config = state.config
+    config = config_for(state, ff)
     act_forward = types.MethodType(type(ff.act).forward, ff.act)  # unpatched: recomputed in backward
 
     def make(orig):
