@@ -426,12 +426,12 @@ def mib(x):
 
 def write_outputs(meta: dict, records: list[dict], fits: dict, out: str, tag: str) -> list[str]:
     os.makedirs(out, exist_ok=True)
-    paths = {k: os.path.join(out, f"{k}{tag}.{ext}") for k, ext in
-             (("benchmark", "json"), ("benchmark_csv", "csv"), ("tables", "md"), ("peak_vs_batch", "png"), ("time_vs_peak", "png"))}
-    paths["benchmark_csv"] = os.path.join(out, f"benchmark{tag}.csv")
-    with open(paths["benchmark"], "w") as f:
+    names = {"json": "benchmark{}.json", "csv": "benchmark{}.csv", "tables": "tables{}.md",
+             "peak_vs_batch": "peak_vs_batch{}.png", "time_vs_peak": "time_vs_peak{}.png"}
+    paths = {k: os.path.join(out, v.format(tag)) for k, v in names.items()}
+    with open(paths["json"], "w") as f:
         json.dump({"meta": meta, "records": records, "fit": fits}, f, indent=1)
-    with open(paths["benchmark_csv"], "w", newline="") as f:
+    with open(paths["csv"], "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         w.writerows({k: r.get(k) for k in COLUMNS} for r in records)
@@ -440,6 +440,29 @@ def write_outputs(meta: dict, records: list[dict], fits: dict, out: str, tag: st
         f.write(tables_md(meta, records, fits, os.path.basename(paths["peak_vs_batch"]),
                           os.path.basename(paths["time_vs_peak"])))
     return list(paths.values())
+
+
+def acceptance(records, model="minilm", size=(32, 128)) -> list[str]:
+    """Issue 5's acceptance checks on MiniLM-L6 at 32 x 128, if that point was measured."""
+    r = {x["method"]: x for x in records if x["model"] == model and (x["batch"], x["seq"]) == size}
+    if not {"none", "division", "ckpt"} <= set(r):
+        return []
+    d, c, n = r["division"], r["ckpt"], r["none"]
+    checks = [
+        (f"division step time <= 1.15x none ({d['step_ratio']:.2f}x)", d["step_ratio"] <= 1.15),
+        (f"division step time below ckpt's ({d['step_s']:.3f} s vs {c['step_s']:.3f} s)", d["step_s"] < c["step_s"]),
+        (f"division peak below ckpt's ({mib(d['peak_bytes'])} vs {mib(c['peak_bytes'])} MiB)",
+         bool(d["peak_bytes"]) and d["peak_bytes"] < c["peak_bytes"]),
+        (f"division holds >= 8x fewer bytes than none ({d['held_ratio']:.1f}x)", d["held_ratio"] >= 8),
+        (f"division gradient cosine >= 0.98 ({d['cosine']:.4f})", d["cosine"] >= 0.98),
+    ]
+    if "division+ckpt" in r:
+        dc = r["division+ckpt"]
+        checks.append((f"division+ckpt holds fewer bytes than ckpt ({mib(dc['held_bytes'])} vs {mib(c['held_bytes'])} MiB)",
+                       dc["held_bytes"] < c["held_bytes"]))
+    lines = [f"Acceptance checks (issue 5), {model} at batch {size[0]} x {size[1]}:", ""]
+    lines += [f"- {'PASS' if ok else 'FAIL'}: {text}" for text, ok in checks]
+    return lines + [""]
 
 
 def tables_md(meta, records, fits, peak_png, time_png) -> str:
@@ -485,6 +508,7 @@ def tables_md(meta, records, fits, peak_png, time_png) -> str:
         for model, per in fits.items():
             lines.append(f"| {model} | " + " | ".join(str(per.get(m, "")) for m in meta["methods"]) + " |")
         lines.append("")
+    lines += acceptance(records)
     lines += [f"![peak step memory vs batch size]({peak_png})", "", f"![step-time ratio vs peak memory]({time_png})", ""]
     return "\n".join(lines)
 
