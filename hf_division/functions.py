@@ -96,12 +96,29 @@ class RecomputeFn(torch.autograd.Function):
         ctx.entry.done()
         wanted = [t for t, need in zip((x, *params), ctx.needs_input_grad[4:]) if need]
         grads = iter(())
-        if wanted:
+        direct = _elementwise_grad(ctx.fn) if not params else None
+        if direct is not None and wanted:  # the activation's own derivative: no forward recomputed
+            grads = iter((direct(grad, x.detach()),))
+        elif wanted:
             with torch.enable_grad(), autocast_as(ctx.amp):
                 y = ctx.fn(x)
             grads = iter(torch.autograd.grad(y, wanted, grad, allow_unused=True))
         out = [next(grads) if need else None for need in ctx.needs_input_grad[4:]]
         return (None, None, None, None, *out)
+
+
+def _elementwise_grad(fn: Callable):
+    """``grad, x -> dL/dx`` for the activations whose ATen backward needs only ``x`` (GELU, SiLU),
+    given their module's bound ``forward``; None for anything else (recomputed under autograd)."""
+    module = getattr(fn, "__self__", None)
+    name = type(module).__name__
+    if isinstance(module, torch.nn.GELU):
+        return lambda g, x: torch.ops.aten.gelu_backward(g, x, approximate=module.approximate)
+    if name == "GELUActivation" and getattr(module, "act", None) is F.gelu:
+        return lambda g, x: torch.ops.aten.gelu_backward(g, x)
+    if isinstance(module, torch.nn.SiLU) or (name == "SiLUActivation" and type(module).forward.__module__.startswith("transformers")):
+        return torch.ops.aten.silu_backward
+    return None
 
 
 def _no_grad(fn, amp: tuple):

@@ -1,4 +1,4 @@
-"""The written-out sdpa backward used by AttentionFn's recomputation on CPU."""
+"""Backward shortcuts: the written-out sdpa backward (AttentionFn on CPU) and the direct derivative of GELU/SiLU (RecomputeFn)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -84,3 +84,20 @@ def test_attention_fn_fast_path_matches_recomputation(model_type, monkeypatch):
     assert torch.isfinite(fast).all()
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-6)
     assert not torch.equal(fast, torch.zeros_like(fast))
+
+
+def test_activation_direct_backward_matches_autograd():
+    from torch import nn
+    from transformers.activations import GELUActivation, NewGELUActivation, SiLUActivation
+
+    from hf_division.functions import _elementwise_grad
+
+    x = torch.randn(4, 16, 32, requires_grad=True)
+    g = torch.randn(4, 16, 32)
+    for module in (nn.GELU(), nn.GELU(approximate="tanh"), GELUActivation(), nn.SiLU(), SiLUActivation()):
+        direct = _elementwise_grad(module.forward)
+        assert direct is not None, module
+        (ref,) = torch.autograd.grad(module(x), x, g)
+        torch.testing.assert_close(direct(g, x.detach()), ref)
+    for module in (NewGELUActivation(), nn.ReLU(), nn.LayerNorm(32), GELUActivation(use_gelu_python=True)):
+        assert _elementwise_grad(module.forward) is None, module
