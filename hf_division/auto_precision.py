@@ -40,8 +40,6 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from .config import KINDS, DivisionConfig
 from .fidelity import flat_grad
 from .measure import held_bytes

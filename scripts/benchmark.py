@@ -41,7 +41,6 @@ import argparse
 import contextlib
 import csv
 import datetime
-import functools
 import gc
 import json
 import os
