@@ -28,7 +28,7 @@ mkdir -p "$OUT"
 SST2=(--task_name sst2 --max_train_samples 2000 --num_train_epochs 2)
 LORA=(--use_lora --lora_r 8 --lora_alpha 16 --lora_dropout 0.1 --learning_rate 5e-4)
 # task by task (all seeds and arms of a task before the next), arms interleaved per seed
-for job in sst2 sst2-lora mrpc rte; do
+for job in ${JOBS:-sst2 sst2-lora mrpc rte}; do  # JOBS="mrpc rte" runs a subset
   for seed in $SEEDS; do
     for arm in baseline division; do
       flag=(--seed "$seed"); [ "$arm" = division ] && flag+=(--division)
