@@ -199,6 +199,13 @@ class BitDropout(TorchFunctionMode):
     """Routes ``F.dropout`` (what ``nn.Dropout`` calls too) to :class:`DropoutFn` where autograd
     would keep a mask: training, grad enabled, input requiring grad, not in place."""
 
+    def __new__(cls, *args, **kwargs):
+        # Under torch.compile, Dynamo mis-traces some models inside any TorchFunctionMode (Llama: a
+        # tensor's ``.device`` read back as its shape); there, dropout is left to the compiler.
+        if torch.compiler.is_compiling():
+            return contextlib.nullcontext()
+        return super().__new__(cls)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.dropout and torch.is_grad_enabled():
@@ -327,3 +334,11 @@ class CheckpointFn(torch.autograd.Function):
         pairs = [(o, g) for o, g in zip(outs, grads) if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         return (None, None, *(a.grad if isinstance(a, torch.Tensor) and a.requires_grad else None for a in args))
+
+
+# torch.compile(model): these Functions keep Python state for backward (store entries, weak
+# references, finalizers) that Dynamo cannot trace (it fails with "Guard failed on the same frame
+# it was created"). Marked as not compilable, each runs eagerly as a graph break and the rest of
+# a compiled model is compiled (tests/test_compile.py).
+for _fn in (LinearFn, RecomputeFn, GatedFn, DropoutFn, AttentionFn, CheckpointFn):
+    _fn.apply = torch.compiler.disable(_fn.apply)

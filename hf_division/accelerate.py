@@ -1,0 +1,57 @@
+"""Division in custom Accelerate training loops.
+
+The pattern (``scripts/train_accelerate.py`` is a complete example)::
+
+    accelerator = Accelerator(mixed_precision="bf16", gradient_accumulation_steps=2)
+    model = AutoModelForSequenceClassification.from_pretrained(...)
+    prepare_division(model, DivisionConfig())        # before accelerator.prepare
+    model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)
+    for update, micro_batches in ...:
+        reseed_for_step(update, seed, accelerator)     # optional: noise tied to (seed, step, rank)
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**batch).loss)
+            ...
+
+Division patches module *instances* of the unwrapped model, so it survives the wrapping that
+``prepare`` does (DDP, FSDP, Accelerate's autocast wrapper of ``forward``); applying it to an
+already prepared model works too (``apply_division`` unwraps ``.module`` / ``_orig_mod``). Do not
+call ``remove_division`` on a prepared model: the base model's ``forward`` is then restored to the
+un-wrapped one, dropping Accelerate's autocast wrapper if it was installed after division.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from . import store
+from .config import DivisionConfig
+from .patching import apply_division, unwrap
+
+
+def prepare_division(model: nn.Module, config: DivisionConfig | None = None) -> nn.Module:
+    """:func:`~hf_division.apply_division` for an Accelerate loop; returns ``model``.
+
+    ``model``: the model before ``accelerator.prepare`` (recommended) or the prepared one.
+    ``config``: a :class:`DivisionConfig` (default policy if None).
+    """
+    return apply_division(model, config if config is not None else DivisionConfig())
+
+
+def reseed_for_step(step: int, seed: int, accelerator=None) -> int:
+    """Restart the rounding noise for optimizer step ``step`` of a run seeded with ``seed``, on this
+    process (``accelerator.process_index``); returns the noise seed.
+
+    Call it at the start of each optimizer step (before its first micro-batch), as the Trainer's
+    ``DivisionCallback`` does: the noise then depends only on ``(seed, step, rank)``, so a loop
+    resumed from ``accelerator.save_state`` at step ``k`` draws the noise of the uninterrupted run.
+    """
+    rank = getattr(accelerator, "process_index", 0) if accelerator is not None else 0
+    noise_seed = store.step_seed(seed, step, rank)
+    store.reseed(noise_seed)
+    return noise_seed
+
+
+def division_enabled(model: nn.Module) -> bool:
+    """Whether ``model`` (prepared or not) has division applied."""
+    from .patching import division_config_of
+
+    return division_config_of(unwrap(model)) is not None
