@@ -7,7 +7,8 @@ launcher goes multi-process only through mpirun), so the 2-process CPU launch is
 gloo backend, ``DistributedType.MULTI_CPU``). Tolerances are measured (docs/SCALE.md): the two runs
 see the same examples per optimizer step but draw different rounding noise (the noise seed mixes in
 the rank), so losses after the first update differ by about the noise's effect on the weights.
-Run as a script, this file is the FSDP2 worker (``python -m torch.distributed.run ... fsdp2``).
+Run as a script, this file is the FSDP worker (``python -m torch.distributed.run ... fsdp``) or
+measures the tolerances (``python tests/test_distributed.py measure``).
 """
 import json
 import os
@@ -124,6 +125,26 @@ def test_accelerate_loop_two_processes(tiny_dir, tmp_path):
     assert _within(diffs, LOOP_TOL), diffs
 
 
+def test_accelerate_loop_single_process_fp32(tiny_dir, tmp_path):
+    import train_accelerate
+
+    try:
+        res = train_accelerate.main(["--glue_dir", GLUE, "--task_name", "mrpc", "--model_name_or_path", tiny_dir,
+                                     "--division", "--max_steps", "2", "--per_device_train_batch_size", "4",
+                                     "--max_seq_length", "32", "--mixed_precision", "no", "--output_dir", str(tmp_path)])
+    finally:
+        reset_accelerate()
+    assert res["num_processes"] == 1 and res["mixed_precision"] == "no" and res["division_applied_per_process"] == [1.0]
+    assert len(res["train_losses"]) == 2 and all(0 < x < 10 for x in res["train_losses"])
+    assert set(res["eval_metrics"]) >= {"accuracy", "f1"}
+    with open(tmp_path / "results.json") as f:
+        assert json.load(f)["train_losses"] == res["train_losses"]
+    with pytest.raises(ValueError, match="mixed_precision"):
+        train_accelerate.main(["--output_dir", str(tmp_path), "--mixed_precision", "fp8"])
+    with pytest.raises(ValueError, match="task_name"):
+        train_accelerate.main(["--output_dir", str(tmp_path), "--task_name", "mnlx"])
+
+
 # ----------------------------------------------------------------------------- run_glue (Trainer)
 def compare_glue(model_dir, out, seed=0, division=True):
     """scripts/run_glue.py (Trainer): 2 processes x 4 vs 1 process x 8 examples. -> (epochs, diffs)
@@ -181,7 +202,7 @@ def _fsdp_train(model_dir: str, seed=0, division=True, world=1, rank=0, shard=No
     if division:
         hd.apply_division(model, hd.DivisionConfig(min_numel=0))
     if shard is not None:
-        shard(model)
+        model = shard(model) or model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses, pack, packed = [], hd.store.pack, []
     hd.store.pack = lambda t, kind, config: packed.append(kind) or pack(t, kind, config)
@@ -210,73 +231,95 @@ def _fsdp_step(model, opt, batch, seed, step, world, rank) -> float:
     return total.item() / world
 
 
-def _fsdp2_worker(model_dir: str, out: str, seed: int, division: bool) -> None:
+def _fsdp_worker(model_dir: str, out: str, seed: int, division: bool) -> None:
+    """Train with FSDP2 (``fully_shard`` per layer + root: DTensor parameters) and then FSDP1
+    (``FullyShardedDataParallel`` on CPU, one flat parameter per process), both with gloo."""
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    record = {"world": world}
+    for name in ("fsdp2", "fsdp1"):
+        wrapped = {}
 
-    wrapped = {}
+        def shard(model):
+            full = sum(p.numel() for p in model.parameters())
+            if name == "fsdp2":
+                for layer in model.bert.encoder.layer:
+                    fully_shard(layer)
+                fully_shard(model)
+            else:
+                model = FullyShardedDataParallel(model, device_id=torch.device("cpu"))
+            local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+            wrapped.update(cls=type(model).__name__, param=type(next(model.parameters())).__name__,
+                           local_numel=local, full_numel=full)
+            return model
 
-    def shard(model):
-        for layer in model.bert.encoder.layer:
-            fully_shard(layer)
-        fully_shard(model)
-        wrapped.update(cls=type(model).__name__, param=type(next(model.parameters())).__name__)
-
-    losses, packed = _fsdp_train(model_dir, seed, division, world, rank, shard)
-    counts = [torch.zeros(1) for _ in range(world)]
-    dist.all_gather(counts, torch.tensor([float(packed)]))
+        losses, packed = _fsdp_train(model_dir, seed, division, world, rank, shard)
+        counts = [torch.zeros(1) for _ in range(world)]
+        dist.all_gather(counts, torch.tensor([float(packed)]))
+        record[name] = {"losses": losses, "packed_per_rank": [c.item() for c in counts], **wrapped}
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"losses": losses, "world": world, "packed_per_rank": [c.item() for c in counts], **wrapped}, f)
+            json.dump(record, f)
     dist.destroy_process_group()
 
 
 def compare_fsdp(model_dir, out, seed=0, division=True):
-    """FSDP2 (``fully_shard`` per layer + root, DTensor parameters, gloo) on 2 CPU processes vs plain
-    single-process training. -> (2-process record, diffs)"""
+    """FSDP2 and FSDP1 on 2 CPU processes vs plain single-process training. -> (record, diffs per variant)"""
     path = f"{out}/fsdp.json"
     _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_port()),
-          os.path.abspath(__file__), "fsdp2", model_dir, path, str(seed), str(int(division))])
+          os.path.abspath(__file__), "fsdp", model_dir, path, str(seed), str(int(division))])
     with open(path) as f:
         two = json.load(f)
-    return two, _diffs(two["losses"], _fsdp_train(model_dir, seed, division)[0])
+    one = _fsdp_train(model_dir, seed, division)[0]
+    return two, {name: _diffs(two[name]["losses"], one) for name in ("fsdp2", "fsdp1")}
 
 
-def test_fsdp2_fully_shard_two_processes(tiny_dir, tmp_path):
-    """(Through ``accelerate launch --use_fsdp`` FSDP does not run on this CPU machine: docs/SCALE.md.)"""
+def test_fsdp_two_processes(tiny_dir, tmp_path):
+    """FSDP2 and FSDP1 with division, launched with torch.distributed.run. (Through ``accelerate
+    launch --use_fsdp`` FSDP does not run on this CPU machine: docs/SCALE.md.)"""
     two, diffs = compare_fsdp(tiny_dir, tmp_path)
-    assert two["world"] == 2 and two["cls"].startswith("FSDP") and two["param"] == "DTensor"
-    assert min(two["packed_per_rank"]) > 0  # division compressed activations on every rank
-    assert _within(diffs, FSDP_TOL), diffs
+    assert two["world"] == 2
+    assert two["fsdp2"]["cls"].startswith("FSDP") and two["fsdp2"]["param"] == "DTensor"
+    assert two["fsdp1"]["cls"] == "FullyShardedDataParallel"
+    for name in ("fsdp2", "fsdp1"):
+        assert two[name]["local_numel"] <= 0.6 * two[name]["full_numel"]  # parameters really sharded
+        assert min(two[name]["packed_per_rank"]) > 0  # division compressed activations on every rank
+        assert _within(diffs[name], FSDP_TOL), (name, diffs[name])
 
 
 # ----------------------------------------------------------------------------- measuring the tolerances
-def measure(seeds) -> None:
+def measure(seeds, only=()) -> None:
     """Max |loss diff| per step over ``seeds``, with and without division (docs/SCALE.md)."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_dir(f"{tmp}/tiny")
-        for name, compare in (("accelerate loop", compare_loop), ("run_glue", compare_glue), ("fsdp2", compare_fsdp)):
+        for name, compare in (("accelerate loop", compare_loop), ("run_glue", compare_glue), ("fsdp", compare_fsdp)):
+            if only and name.split()[0] not in only:
+                continue
             for division in (False, True):
-                worst = None
+                worst = {}
                 for seed in seeds:
                     out = f"{tmp}/{name}-{division}-{seed}".replace(" ", "_")
                     os.makedirs(out)
                     diffs = compare(model_dir, out, seed, division)[1]
-                    worst = diffs if worst is None else [max(a, b) for a, b in zip(worst, diffs)]
-                print(f"{name:<16} division={division!s:<5} max |loss diff| per step over seeds {seeds}: "
-                      + " ".join(f"{d:.1e}" for d in worst), flush=True)
+                    for key, d in (diffs.items() if isinstance(diffs, dict) else [(name, diffs)]):
+                        worst[key] = [max(a, b) for a, b in zip(worst.get(key, d), d)]
+                for key, d in worst.items():
+                    print(f"{key:<16} division={division!s:<5} max |loss diff| per step over seeds {seeds}: "
+                          + " ".join(f"{x:.1e}" for x in d), flush=True)
 
 
 if __name__ == "__main__":
     sys.path.insert(0, ROOT)
-    if sys.argv[1:2] == ["fsdp2"]:
-        _fsdp2_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), bool(int(sys.argv[5])))
+    if sys.argv[1:2] == ["fsdp"]:
+        _fsdp_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), bool(int(sys.argv[5])))
     elif sys.argv[1:2] == ["measure"]:
-        measure([int(s) for s in sys.argv[2:]] or [0, 1, 2, 3, 4])
+        args = sys.argv[2:]
+        only = [a for a in args if not a.isdigit()]  # accelerate / run_glue / fsdp
+        measure([int(a) for a in args if a.isdigit()] or [0, 1, 2, 3, 4], only)
     else:
-        raise SystemExit("usage: python tests/test_distributed.py measure [SEEDS...]")
+        raise SystemExit("usage: python tests/test_distributed.py measure [accelerate|run_glue|fsdp ...] [SEEDS...]")

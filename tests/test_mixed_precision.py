@@ -195,3 +195,17 @@ def test_trainer_division_checkpointing_bf16_together(tmp_path, monkeypatch):
     assert set(dtypes) == {torch.bfloat16}  # forward and checkpoint recomputation under autocast
     # compressed: the checkpointed layers' boundary inputs (norm) and what the head keeps
     assert ("norm", torch.float32) in packed or ("norm", torch.bfloat16) in packed, packed
+
+
+def test_lora_under_bf16_autocast():
+    """A PEFT LoRA model (frozen base) under bf16 autocast: adapter gradients close to the exact bf16 ones."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(minilm_like("sdpa"), peft.LoraConfig(r=8, lora_alpha=16, task_type="SEQ_CLS",
+                                                                    target_modules=["query", "value", "dense"]))
+    batch = batch_for(model.base_model.model, seed=7)
+    exact, _ = amp_grad(model, batch, torch.bfloat16, 0)
+    hd.apply_division(model)
+    approx, _ = amp_grad(model, batch, torch.bfloat16, 0)
+    hd.remove_division(model)
+    assert approx.numel() == exact.numel() < sum(p.numel() for p in model.parameters()) // 10  # adapters only
+    assert torch.isfinite(approx).all() and cosine(exact, approx) >= 0.98
