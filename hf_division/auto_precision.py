@@ -24,7 +24,11 @@ Design (cheap, once, not every step):
 3. **Other widths.** The rounding error of a group is proportional to its step,
    ``range / (2^b - 1)``, so ``e_u(b)`` is extrapolated as ``e_u(b0) * ((2^b0 - 1) / (2^b - 1))^k``
    from the nearest probe ``b0``, with ``k`` fitted per unit between two probes (clipped to
-   [1, 3]; 2 for a linear consumer of the error) or 2 with a single probe.
+   [1, 3]; 2 for a linear consumer of the error) or 2 with a single probe. Only *upwards*: widths
+   below the narrowest probe are not offered, because below 2 bits the error grows much faster
+   than the step (1-bit q/k/v or residual streams break the model, not just add noise; on MiniLM
+   an assignment with 1-bit units extrapolated from 2-bit probes lost to uniform 2 bits). Hence
+   the default probes (1, 2, 4): 1 bit is chosen only where it was measured harmless.
 4. **Assignment.** Minimise ``sum_u e_u(b_u)`` subject to ``sum_u n_u b_u <= budget * sum_u n_u``:
    a multiple-choice knapsack, solved exactly by dynamic programming over the budget cut into
    ``resolution`` steps (costs rounded up, so the budget is never exceeded).
@@ -170,14 +174,15 @@ class Sensitivity:
 
 
 def measure_sensitivity(
-    model, batch: dict, config: DivisionConfig | None = None, bits=BITS, probe_bits=(2, 4), seed: int = 0
+    model, batch: dict, config: DivisionConfig | None = None, bits=BITS, probe_bits=(1, 2, 4), seed: int = 0
 ) -> Sensitivity:
     """Units, their sizes and modelled errors at every width in ``bits`` (module doc, steps 1-3).
 
     ``model``: a supported model (or wrapper); ``batch``: a calibration batch of keyword inputs
     with ``labels`` (its loss is differentiated); ``config``: the base policy (method, block and
     group sizes, ...; kinds set to 0 stay uncompressed); ``bits``: the widths to choose from;
-    ``probe_bits``: widths measured per unit. The model is left patched as it was found.
+    ``probe_bits``: widths measured per unit (widths in ``bits`` below the narrowest probe are
+    not offered, see the module doc). The model is left patched as it was found.
     """
     config = config or DivisionConfig()
     bits = tuple(sorted(set(bits)))
@@ -185,6 +190,9 @@ def measure_sensitivity(
         raise ValueError(f"auto_precision: bits must be drawn from (1, 2, 4, 8), got {bits}")
     if not probe_bits or any(b not in (1, 2, 4, 8) for b in probe_bits):
         raise ValueError(f"auto_precision: probe_bits must be drawn from (1, 2, 4, 8), got {tuple(probe_bits)}")
+    bits = tuple(b for b in bits if b >= min(probe_bits))
+    if not bits:
+        raise ValueError(f"auto_precision: no width in bits is >= the narrowest of probe_bits {tuple(probe_bits)}")
     if config.module_bits:
         raise ValueError("auto_precision: config.module_bits must be empty (it is what auto_precision assigns)")
     kinds = [k for k in KINDS if config.bits(k)]
@@ -272,7 +280,7 @@ def assign_for_cosine(sensitivity: Sensitivity, target: float, resolution: int =
 
 
 def auto_precision(model, batch: dict, budget: float | None = None, config: DivisionConfig | None = None, bits=BITS,
-                   probe_bits=(2, 4), seed: int = 0, target_cosine: float | None = None) -> AutoPrecision:
+                   probe_bits=(1, 2, 4), seed: int = 0, target_cosine: float | None = None) -> AutoPrecision:
     """Bits per layer and kind under an average ``budget`` of bits per compressed element, or the
     fewest bits whose predicted gradient cosine is at least ``target_cosine`` (give one of the
     two): a config to train with (``result.config``) and the evidence (``result.table()``).

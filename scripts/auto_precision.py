@@ -1,7 +1,7 @@
 """Auto-precision vs uniform bits at equal bytes, on real MiniLM-L6 and real SST-2 text.
 
 python scripts/auto_precision.py [--data ../shared/data/glue/SST-2/dev.tsv] [--methods division division-nolfc actnn]
-    [--budgets 2 3 4] [--batch 32 --seq 128] [--seeds 0 1 2] [--probe-bits 2 4] [--attn eager] [--threads 2]
+    [--budgets 2 3 4] [--batch 32 --seq 128] [--seeds 0 1 2] [--probe-bits 1 2 4] [--attn eager] [--threads 2]
     [--json FILE] [--md FILE]
 
 Sensitivities are measured once per method on a calibration batch (rows ``batch..2*batch-1`` of
@@ -91,7 +91,7 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    ap.add_argument("--probe-bits", type=int, nargs="+", default=[2, 4], help="widths measured per unit")
+    ap.add_argument("--probe-bits", type=int, nargs="+", default=[1, 2, 4], help="widths measured per unit")
     ap.add_argument("--attn", default="eager", choices=["eager", "sdpa"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", help="write the rows and assignments here")

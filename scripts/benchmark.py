@@ -10,8 +10,9 @@ heads, intermediate 1536, 4 layers, random init), all as sequence classifiers on
 (tokenized with MiniLM's tokenizer) so that the loss head is the same small one everywhere.
 
 Methods (``METHODS``): ``none``; ``division`` (default DivisionConfig); ``division-aggr``
-(the most aggressive DIVISION setting kept: no LFC, and the fewest bits per layer and kind whose
-predicted gradient cosine is >= 0.95, from ``hf_division.auto_precision``, calibrated per model on
+(the most aggressive DIVISION setting kept: no LFC, and the fewest bits (2, 4 or 8) per layer and
+kind whose predicted gradient cosine is >= 0.95, from ``hf_division.auto_precision`` with one
+2-bit probe per unit, calibrated per model on
 other SST-2 rows, ``--calib`` tokens); ``actnn``; ``ckpt`` (Transformers'
 ``activation_checkpointing_enable()``, non-reentrant); ``save_on_cpu``
 (``torch.autograd.graph.save_on_cpu``, pinned only on CUDA: on a CPU-only machine it moves

@@ -158,6 +158,8 @@ def test_bad_auto_precision_input_names_field(batch):
         auto_precision(model, batch, 3.0, bits=(3, 4))
     with pytest.raises(ValueError, match="probe_bits"):
         auto_precision(model, batch, 3.0, probe_bits=(5,))
+    with pytest.raises(ValueError, match="probe_bits"):
+        auto_precision(model, batch, 3.0, bits=(1, 2), probe_bits=(4,))
     with pytest.raises(ValueError, match="module_bits"):
         auto_precision(model, batch, 3.0, DivisionConfig(module_bits={"classifier": 2}))
     with pytest.raises(ValueError, match="one of budget and target_cosine"):
@@ -174,7 +176,7 @@ def test_auto_beats_uniform_at_equal_bytes(method):
     torch.manual_seed(0)
     model = tiny_model("bert")
     calib, evaluate = tiny_batch(4, 32, seed=1), tiny_batch(4, 32, seed=2)
-    sens = measure_sensitivity(model, calib, DivisionConfig(method=method), probe_bits=(2,))
+    sens = measure_sensitivity(model, calib, DivisionConfig(method=method), probe_bits=(1, 2))
     assert {u.kind for u in sens.units} == set(KINDS)
     assert {u.name for u in sens.units} >= {"bert.encoder.layer.0", "bert.encoder.layer.1"}
     result = assign(sens, 2.0)
