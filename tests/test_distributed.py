@@ -145,6 +145,41 @@ def test_accelerate_loop_single_process_fp32(tiny_dir, tmp_path):
         train_accelerate.main(["--output_dir", str(tmp_path), "--task_name", "mnlx"])
 
 
+def test_prepare_division_after_prepare_and_on_ddp(monkeypatch):
+    """Division applied to an already prepared model (Accelerate's bf16 autocast wrapper kept) and to
+    a DistributedDataParallel wrapper (a 1-process gloo group)."""
+    import torch.distributed as dist
+    from accelerate import Accelerator
+    from torch.nn.parallel import DistributedDataParallel
+
+    import hf_division as hd
+    from hf_division.accelerate import division_enabled, prepare_division
+
+    from conftest import tiny_batch, tiny_model
+
+    packed, dtypes = [], []
+    pack = hd.store.pack
+    monkeypatch.setattr(hd.store, "pack", lambda t, kind, config: packed.append(kind) or pack(t, kind, config))
+    try:
+        accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+        model = accelerator.prepare(tiny_model("bert", "sdpa").train())
+        prepare_division(model)
+        model.bert.encoder.layer[0].intermediate.dense.register_forward_hook(lambda m, a, o: dtypes.append(o.dtype))
+        model(**tiny_batch()).loss.backward()
+        assert division_enabled(model) and "linear" in packed and dtypes == [torch.bfloat16]
+    finally:
+        reset_accelerate()
+    packed.clear()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(tiny_model("llama", "sdpa").train())
+        prepare_division(ddp)
+        ddp(**tiny_batch()).loss.backward()
+        assert division_enabled(ddp) and {"linear", "attention"} <= set(packed)
+    finally:
+        dist.destroy_process_group()
+
+
 # ----------------------------------------------------------------------------- run_glue (Trainer)
 def compare_glue(model_dir, out, seed=0, division=True):
     """scripts/run_glue.py (Trainer): 2 processes x 4 vs 1 process x 8 examples. -> (epochs, diffs)

@@ -140,7 +140,7 @@ def test_bf16_autocast_bytes_and_fidelity(name, attn):
     assert mem.baseline_by_kind["activation"] <= 0.5 * fp32.baseline_by_kind["activation"]
     assert ratio_bf16 >= 3, mem.table()
     cos = []
-    for seed in (0, 1):
+    for seed in (0,):
         hd.remove_division(model)
         exact, ref_logits = amp_grad(model, batch, torch.bfloat16, seed)
         hd.apply_division(model)
