@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, replace
 from .config import KINDS, DivisionConfig
 from .fidelity import flat_grad
 from .measure import held_bytes
-from .patching import STATE_ATTR, apply_division, division_config_of, remove_division, unwrap
+from .patching import STATE_ATTR, apply_division, remove_division, restored_division, unwrap
 
 BITS = (1, 2, 4, 8)
 
@@ -199,8 +199,7 @@ def measure_sensitivity(
     if not kinds:
         raise ValueError("auto_precision: config compresses no kind (every *_bits field is 0)")
     base = unwrap(model)
-    before, was_training = division_config_of(model), base.training
-    try:
+    with restored_division(model):
         # background: every top-level child at 8 bits for every compressed kind
         background = {name: {k: 8 for k in kinds} for name, _ in base.named_children()}
         apply_division(model, _with(config, background))
@@ -232,11 +231,6 @@ def measure_sensitivity(
             for b in probe_bits:
                 u.probes[b] = max(error({**background, u.name: {u.kind: b}}) - bg_error, floor)
             u.errors = _model_error(u.probes, bits)
-    finally:
-        remove_division(model)
-        if before is not None:
-            apply_division(model, before)
-        model.train(was_training)
     return Sensitivity(config, bits, units, bg_error)
 
 

@@ -10,7 +10,7 @@ from torch import nn
 
 from . import store
 from .config import DivisionConfig
-from .patching import apply_division, division_config_of, remove_division, unwrap
+from .patching import apply_division, remove_division, restored_division, unwrap
 
 
 @dataclass
@@ -125,19 +125,12 @@ def measure_activation_memory(model: nn.Module, inputs: dict, config: DivisionCo
     ``inputs``: keyword arguments of ``model`` (e.g. a tokenizer's batch). The model is put in
     train mode for the measurement and left patched or unpatched as it was found.
     """
-    before = division_config_of(model)
-    was_training = unwrap(model).training
-    model.train()
-    try:
+    with restored_division(model) as before:
+        model.train()
         remove_division(model)
         rng = torch.get_rng_state()
         base, base_kinds = held_bytes(model, inputs)
         apply_division(model, config if config is not None else (before or DivisionConfig()))
         torch.set_rng_state(rng)
         div, div_kinds = held_bytes(model, inputs)
-    finally:
-        remove_division(model)
-        if before is not None:
-            apply_division(model, before)
-        model.train(was_training)
     return MemoryReport(base, div, base_kinds, div_kinds)

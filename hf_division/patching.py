@@ -7,6 +7,7 @@ architecture by ``model_patches`` (a ``model_type -> function`` registry, as in 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 import warnings
@@ -281,6 +282,20 @@ def remove_division(model: nn.Module) -> nn.Module:
     if state is not None:
         _undo(base, state)
     return model
+
+
+@contextlib.contextmanager
+def restored_division(model: nn.Module):
+    """Run a measurement that patches and unpatches ``model`` freely: afterwards it is patched as
+    before (same config, or not at all) and in the train/eval mode it had."""
+    before, was_training = division_config_of(model), unwrap(model).training
+    try:
+        yield before
+    finally:
+        remove_division(model)
+        if before is not None:
+            apply_division(model, before)
+        model.train(was_training)
 
 
 def division_config_of(model: nn.Module) -> DivisionConfig | None:
