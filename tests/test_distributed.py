@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 #: update (float rounding only); later steps carry the different rounding noise of the two runs.
 LOOP_TOL = [1e-6, 1e-4, 6e-4]  # measured 6.0e-08 1.6e-05 1.8e-04 (without division 6.0e-08 9.4e-06 1.6e-05)
 GLUE_TOL = [1e-6, 4e-4]  # measured 1.2e-07 1.1e-04 (without division 1.2e-07 6.0e-08)
-FSDP_TOL = [1e-6, 1e-3, 2e-3]  # measured 6.0e-08 3.4e-04 6.4e-04 (without division 6.0e-08 0 6.0e-08)
+FSDP_TOL = [1e-6, 1e-3, 4e-3]  # measured FSDP2 6.0e-08 3.4e-04 6.4e-04, FSDP1 6.0e-08 3.5e-04 1.3e-03
+#                                 (without division both 6.0e-08 0 6.0e-08)
 
 
 def _port() -> int:
