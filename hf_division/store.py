@@ -130,7 +130,7 @@ def _keep_row_scaled(t: torch.Tensor, kind: str, config: DivisionConfig) -> Entr
     token, so each token's error should be relative to its own scale, not to its block's or
     group's. Rows of other scales otherwise lose their value: LLMs' "massive activations" (~100x
     the median RMS on the first tokens) set the LFC and group ranges of their neighbours
-    (SmolLM2-135M: gradient cosine 0.81 -> 0.99), and ViT's [CLS] or mask-token rows, several
+    (SmolLM2-135M: gradient cosine ~0.8 -> 0.96), and ViT's [CLS] or mask-token rows, several
     times smaller than the patches, drown in them. Costs ``4 / (C / 2)`` of the 4-bit codes."""
     if t.numel() < config.min_numel or t.dim() < 2 or not t.is_floating_point():
         return None
