@@ -1,4 +1,4 @@
-"""Division in custom Accelerate training loops.
+"""Division in custom Accelerate training loops (docs/SCALE.md).
 
 The pattern (``scripts/train_accelerate.py`` is a complete example)::
 
@@ -6,17 +6,21 @@ The pattern (``scripts/train_accelerate.py`` is a complete example)::
     model = AutoModelForSequenceClassification.from_pretrained(...)
     prepare_division(model, DivisionConfig())        # before accelerator.prepare
     model, optimizer, train_dl = accelerator.prepare(model, optimizer, train_dl)
-    for update, micro_batches in ...:
-        reseed_for_step(update, seed, accelerator)     # optional: noise tied to (seed, step, rank)
+    step = 0
+    for i, batch in enumerate(train_dl):
+        if i % 2 == 0:                                # first micro-batch of an optimizer step
+            reseed_for_step(step, seed, accelerator)  # optional: noise from (seed, step, rank)
         with accelerator.accumulate(model):
             accelerator.backward(model(**batch).loss)
-            ...
+            optimizer.step(); optimizer.zero_grad()
+        step += accelerator.sync_gradients
 
-Division patches module *instances* of the unwrapped model, so it survives the wrapping that
-``prepare`` does (DDP, FSDP, Accelerate's autocast wrapper of ``forward``); applying it to an
-already prepared model works too (``apply_division`` unwraps ``.module`` / ``_orig_mod``). Do not
-call ``remove_division`` on a prepared model: the base model's ``forward`` is then restored to the
-un-wrapped one, dropping Accelerate's autocast wrapper if it was installed after division.
+Division patches module *instances* of the unwrapped model, so it survives the wrapping
+``prepare`` does (DDP and Accelerate's autocast wrapper of ``forward`` are tested; FSDP1/FSDP2
+wrappers with ``torch.distributed`` directly). Applying it to an already prepared model works too
+(``apply_division`` unwraps ``.module`` / ``_orig_mod``). Do not call ``remove_division`` on a
+prepared model: the base model's ``forward`` is then restored to the un-wrapped one, dropping
+Accelerate's autocast wrapper if that was installed after division.
 """
 from __future__ import annotations
 
