@@ -39,8 +39,7 @@ def test_real_decoder_gradient_cosine_and_bytes(smollm2):
     # the target is 0.98; the default policy measures 0.963-0.969 (docs/ARCHITECTURES.md),
     # so this guards against regressions (without per-token norm scaling: ~0.8) until it is met
     cos = gradient_cosine(model, batch, seeds=(0,))
-    # regression guard, not the 0.98 target (not met yet: docs/ARCHITECTURES.md); this 2 x 128
-    # batch gave 0.946 on a clean install (2026-11-29), 4 x 128 in the script gives 0.963-0.969
+    # this 2 x 128 batch gave 0.946 on a clean install (2026-11-29; the script's 4 x 128: 0.963-0.969)
     assert min(cos) >= 0.93, cos
     mem = hd.measure_activation_memory(model, batch)
     assert mem.ratio >= 4, mem.table()
