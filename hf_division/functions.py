@@ -307,8 +307,11 @@ class CheckpointFn(torch.autograd.Function):
         ctx.run, ctx.devices = run, [a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda][:1]
         ctx.rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(ctx.devices[0]) if ctx.devices else None
-        ctx.args = [store.keep(a, "norm", config) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                    for a in args]
+        # only activations (tensors needing a gradient) are compressed: a float additive attention
+        # mask (BERT eager passes it positionally) must stay exact, its -inf/-max entries would be lost
+        ctx.args = [store.keep(a, "norm", config) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                    and a.requires_grad else a for a in args]
+        store.account_tensors([a for a in ctx.args if isinstance(a, torch.Tensor)], "norm")
         store.account_tensors([ctx.rng], "norm")
         ctx.amp = autocast_state()
         with torch.no_grad():
