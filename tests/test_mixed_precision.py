@@ -130,7 +130,7 @@ def cosine(a, b):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_bf16_autocast_bytes_and_fidelity(name, attn):
     model = MODELS[name](attn)
-    batch = batch_for(model)
+    batch = batch_for(model, batch=2)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         mem = hd.measure_activation_memory(model, batch)
     ratio_bf16 = mem.ratio
@@ -154,7 +154,7 @@ def test_bf16_autocast_bytes_and_fidelity(name, attn):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_fp16_autocast_finite_and_close(name):
     model = MODELS[name]("sdpa")
-    batch = batch_for(model, seed=3)
+    batch = batch_for(model, batch=2, seed=3)
     exact, _ = amp_grad(model, batch, torch.float16, 0)
     hd.apply_division(model)
     approx, _ = amp_grad(model, batch, torch.float16, 0)
@@ -202,7 +202,7 @@ def test_lora_under_bf16_autocast():
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(minilm_like("sdpa"), peft.LoraConfig(r=8, lora_alpha=16, task_type="SEQ_CLS",
                                                                     target_modules=["query", "value", "dense"]))
-    batch = batch_for(model.base_model.model, seed=7)
+    batch = batch_for(model.base_model.model, batch=2, seed=7)
     exact, _ = amp_grad(model, batch, torch.bfloat16, 0)
     hd.apply_division(model)
     approx, _ = amp_grad(model, batch, torch.bfloat16, 0)
