@@ -116,13 +116,13 @@ def main(argv=None) -> dict:
     scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=max_steps * accelerator.num_processes)
     model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
 
-    losses, step, micro, running, start = [], 0, 0, [], time.time()
+    losses, step, running, new_step, start = [], 0, [], True, time.time()
     model.train()
     while step < max_steps:
         for batch in train_dl:
-            if micro % args.gradient_accumulation_steps == 0 and args.division:
+            if new_step and args.division:  # first micro-batch of an optimizer step
                 reseed_for_step(step, args.seed, accelerator)  # noise depends on (seed, step, rank) only
-            micro += 1
+            new_step = False
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 accelerator.backward(loss)
@@ -133,7 +133,7 @@ def main(argv=None) -> dict:
             if accelerator.sync_gradients:
                 step_loss = accelerator.reduce(torch.stack(running).mean(), "mean").item()
                 losses.append(step_loss)
-                running = []
+                running, new_step = [], True
                 step += 1
                 if step % args.logging_steps == 0:
                     accelerator.print(f"step {step}/{max_steps} loss {step_loss:.4f}")
