@@ -142,6 +142,12 @@ def test_accelerate_loop_single_process_fp32(tiny_dir, tmp_path):
         assert json.load(f)["train_losses"] == res["train_losses"]
     with pytest.raises(ValueError, match="mixed_precision"):
         train_accelerate.main(["--output_dir", str(tmp_path), "--mixed_precision", "fp8"])
+    try:  # Accelerate does not autocast fp16 on CPU (it would train in float32): the script refuses
+        with pytest.raises(ValueError, match="fp16 on CPU"):
+            train_accelerate.main(["--output_dir", str(tmp_path), "--mixed_precision", "fp16", "--glue_dir", GLUE,
+                                   "--model_name_or_path", tiny_dir])
+    finally:
+        reset_accelerate()
     with pytest.raises(ValueError, match="task_name"):
         train_accelerate.main(["--output_dir", str(tmp_path), "--task_name", "mnlx"])
 

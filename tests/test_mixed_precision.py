@@ -209,3 +209,18 @@ def test_lora_under_bf16_autocast():
     hd.remove_division(model)
     assert approx.numel() == exact.numel() < sum(p.numel() for p in model.parameters()) // 10  # adapters only
     assert torch.isfinite(approx).all() and cosine(exact, approx) >= 0.98
+
+
+def test_trainer_fp16_on_cpu_runs_float32(tmp_path):
+    """Documents why fp16 is "unsupported on CPU" in docs/SCALE.md: Accelerate only autocasts fp16 on
+    accelerators, so TrainingArguments(fp16=True, use_cpu=True) trains in float32."""
+    model = minilm_like("sdpa")
+    rows = batch_for(model, batch=4, seq=32, seed=6)
+    data = Dataset.from_dict({k: v.tolist() for k, v in rows.items()})
+    args = TrainingArguments(output_dir=str(tmp_path), division=True, fp16=True, use_cpu=True, max_steps=1,
+                             per_device_train_batch_size=4, report_to=[], save_strategy="no", disable_tqdm=True)
+    dtypes = []
+    model.bert.encoder.layer[0].intermediate.dense.register_forward_hook(lambda m, a, out: dtypes.append(out.dtype))
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    assert trainer.accelerator.mixed_precision == "fp16" and set(dtypes) == {torch.float32}
