@@ -48,6 +48,7 @@ def grad(model, batch, dtype, seed) -> torch.Tensor:
     model.train()
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
+    hd.store.reseed(seed)  # rounding noise from the seed too, whatever ran before in this process
     with torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
         loss = model(**batch).loss
     loss.backward()

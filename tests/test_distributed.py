@@ -80,12 +80,20 @@ def tiny_dir(tmp_path_factory):
 
 
 def reset_accelerate():
-    """In-process runs create Accelerate singletons; leave none behind for other tests."""
+    """Drop Accelerate's process-wide singletons (AcceleratorState remembers the first
+    mixed_precision it saw, e.g. from a Trainer test in another file, and refuses a different one)."""
     from accelerate.state import AcceleratorState, GradientState, PartialState
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     PartialState._reset_state()
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    reset_accelerate()
+    yield
+    reset_accelerate()
 
 
 def _diffs(a, b):
