@@ -43,12 +43,17 @@ class Packed:
     bits: int
     block_size: int
     group_size: int
+    rows: torch.Tensor | None = None  # (k, C) outlier tokens kept exact, in the original dtype
+    row_index: torch.Tensor | None = None  # (k,) int64 their index among the M*T tokens
+
+    def storages(self) -> list[torch.Tensor]:
+        """The tensors this object holds."""
+        own = (self.packed, self.lo, self.scale, self.lfc, self.cscale, self.rows, self.row_index)
+        return [t for t in own if t is not None]
 
     @property
     def nbytes(self) -> int:
-        return sum(
-            t.untyped_storage().nbytes() for t in (self.packed, self.lo, self.scale, self.lfc, self.cscale) if t is not None
-        )
+        return sum(t.untyped_storage().nbytes() for t in self.storages())
 
 
 # ----------------------------------------------------------------------------- bit packing
@@ -139,6 +144,24 @@ def noise_seed(device: torch.device, generator: torch.Generator | None = None) -
 
 
 # ----------------------------------------------------------------------------- core math
+def outlier_tokens(x3: torch.Tensor, ratio: float) -> torch.Tensor | None:
+    """Index (int64, among the ``M*T`` tokens of an ``(M, T, C)`` tensor) of the tokens whose max |x|
+    exceeds ``ratio`` times the median token's, at most ``M*T // 64`` of them (the largest); None
+    if there are none.
+
+    Why: decoder LLMs put "massive activations" (1000x the typical value, SmolLM2's first token in
+    a few channels) on a few tokens. Inside a block such a token dominates the LFC, and in its
+    channels it sets the group ranges of every other token: one of them made a layer's weight
+    gradient pure noise (docs/ARCHITECTURES.md). Kept exact, they cost at most half a bit per
+    element (fp32), and nothing where there are none. Their count is data-dependent (a host sync).
+    """
+    r = torch.maximum(x3.amax(dim=2), x3.amin(dim=2).neg_()).view(-1)  # max |x| per token, no |x| copy
+    k = max(1, r.numel() // 64)
+    top, index = r.topk(min(k, r.numel()))
+    keep = index[top > ratio * r.median()]
+    return keep if keep.numel() else None
+
+
 def _split(x3: torch.Tensor, block_size: int, lfc_dtype: torch.dtype, inv_scale: torch.Tensor | None = None):
     """(M, T, C) float32 -> (LFC in lfc_dtype (M, nb, C), HFC float32 (M, nb*b, C) padded with 0).
 
@@ -216,7 +239,7 @@ def dequantize_groups(packed: torch.Tensor, lo: torch.Tensor, scale: torch.Tenso
 # torch.compile fuses the elementwise group kernels into one loop each (several times faster than
 # eager on CPU: scripts/profile_compressor.py), but only with static shapes: dynamic-shape code was several times *slower* here. So the kernels run
 # compiled over fixed chunks of groups (two sizes), and eagerly on the small remainder.
-_CHUNKS = (4096, 256)  # groups per compiled call
+_CHUNKS = (4096, 1024, 256)  # groups per compiled call (each call costs ~50 us of guards: few calls)
 _fused = {"enabled": True}
 
 
@@ -290,6 +313,7 @@ def compress(
     stochastic: bool = True,
     channel_scale: bool = True,
     generator: torch.Generator | None = None,
+    outlier_ratio: float = 0.0,
 ) -> Packed:
     """Compress ``x`` (any float dtype, any layout) into a :class:`Packed`.
 
@@ -297,6 +321,8 @@ def compress(
     disables the LFC. ``bits``: 1, 2, 4 or 8 bits per HFC element, or 0 to keep ``x`` as it is.
     ``channel_scale``: divide each HFC channel by a bound of its magnitude before grouping, so that a
     few outlier channels (common in transformer residual streams) do not set every group's range.
+    ``outlier_ratio``: if > 0, tokens whose max |x| exceeds this many times the median token's are
+    stored exact and left out of the LFC and HFC (:func:`outlier_tokens`); needs ``token_dim``.
     """
     shape, dtype = x.shape, x.dtype
     if bits == 0:
@@ -309,6 +335,13 @@ def compress(
     else:
         token_dim, x3 = None, x.reshape(1, -1, 1).float()
     use_lfc = token_dim is not None and block_size > 1
+    rows = row_index = None
+    if outlier_ratio > 0 and token_dim is not None and x3.shape[2] > 1:
+        row_index = outlier_tokens(x3, outlier_ratio)
+        if row_index is not None:
+            flat_rows = x3.reshape(-1, x3.shape[2])
+            rows = flat_rows[row_index].to(dtype)
+            x3 = flat_rows.index_fill(0, row_index, 0.0).view(x3.shape)  # a copy: x3 may view x
     cscale = inv = None
     if use_lfc and lfc_dtype == torch.float16 and x3.abs().amax() > _FP16_MAX:
         lfc_dtype = torch.float32  # block means beyond fp16's range would store inf: widen this LFC
@@ -336,7 +369,7 @@ def compress(
         flat = torch.nn.functional.pad(flat, (0, padded - n))
     seed = noise_seed(flat.device, generator) if stochastic else None
     packed, lo, scale = quantize_groups(flat, seed, bits, group_size)
-    return Packed(packed, lo, scale, lfc, cscale, shape, dtype, layout, bits, block_size, group_size)
+    return Packed(packed, lo, scale, lfc, cscale, shape, dtype, layout, bits, block_size, group_size, rows, row_index)
 
 
 def decompress(p: Packed) -> torch.Tensor:
@@ -351,13 +384,19 @@ def decompress(p: Packed) -> torch.Tensor:
     m, t, c = math.prod(mem_shape[:tdim]), mem_shape[tdim], math.prod(mem_shape[tdim + 1 :])
     tp = p.lfc.shape[1] * p.block_size if p.lfc is not None else t
     x = flat[: m * tp * c].view(m, tp, c)
-    if p.cscale is not None:
-        x = x * p.cscale
     if p.lfc is not None:
         nb = p.lfc.shape[1]
-        x = x.view(m, nb, p.block_size, c).add_(p.lfc.to(x.dtype).unsqueeze(2)).view(m, tp, c)
+        lfc = p.lfc.to(x.dtype).unsqueeze(2)
+        x4 = x.view(m, nb, p.block_size, c)
+        # one pass: LFC + HFC * cscale
+        x4 = torch.addcmul(lfc, x4, p.cscale) if p.cscale is not None else x4.add_(lfc)
+        x = x4.view(m, tp, c)
         if tp != t:
             x = x[:, :t].contiguous()
+    elif p.cscale is not None:
+        x = x.mul_(p.cscale)
+    if p.rows is not None:
+        x.view(-1, c).index_copy_(0, p.row_index, p.rows.to(x.dtype))
     x = _cast(x, p.dtype).reshape(mem_shape)
     inverse = [0] * len(perm)
     for i, d in enumerate(perm):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 from dataclasses import asdict, dataclass, fields
@@ -11,17 +12,39 @@ import torch
 #: Kinds of saved activations that get their own precision (see docs/POLICY.md).
 KINDS = ("linear", "attention", "activation", "norm")
 
+#: Values of the family-dependent fields (those left at None) where the model family does not say
+#: otherwise: HFC bits per kind measured on MiniLM (docs/POLICY.md), outlier tokens kept exact.
+DEFAULTS = {"linear_bits": 4, "attention_bits": 4, "activation_bits": 4, "norm_bits": 4, "outlier_ratio": 16.0}
+DEFAULT_BITS = {kind: DEFAULTS[f"{kind}_bits"] for kind in KINDS}
+
 _LFC_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _METHODS = ("division", "actnn")
 _ROUNDING = ("stochastic", "nearest")
+
+# Pretrained decoder LLMs need more bits for what feeds the attention recomputation and the MLP
+# activation: on real SmolLM2-135M (30 layers) 4 bits there gave a gradient cosine of 0.95, 8 bits
+# 0.996 (docs/ARCHITECTURES.md, scripts/family_policy.py --smollm2). Random-init models cannot show
+# it, so the other decoder families take the measured Llama setting by analogy.
+_DECODER = {"attention_bits": 8, "activation_bits": 8}
+# BERT-family encoders: no token reached 16x the median on real MiniLM, and looking for outlier
+# tokens costs ~1.5% of a step, so they skip it.
+_ENCODER = {"outlier_ratio": 0.0}
+#: model_type -> the fields whose default differs from DEFAULTS.
+FAMILY_DEFAULTS = {
+    **{t: _DECODER for t in ("gpt2", "opt", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")},
+    **{t: _ENCODER for t in ("bert", "roberta", "xlm-roberta", "electra", "distilbert")},
+}
 
 
 @dataclass
 class DivisionConfig:
     """Precision policy for the activations a training forward keeps for backward.
 
-    Every ``*_bits`` field is the HFC bit width for one kind of saved tensor: 1, 2, 4 or 8, or 0
-    to keep that kind uncompressed.
+    Every ``*_bits`` field is the HFC bit width for one kind of saved tensor: 1, 2, 4 or 8, 0 to
+    keep that kind uncompressed, or None (default) for the measured default of the model's family
+    (``FAMILY_DEFAULTS``, else ``DEFAULTS``: 4; decoder LLMs keep attention and activation inputs
+    at 8). :func:`hf_division.apply_division` fills the Nones in for the model it patches
+    (:meth:`resolved`); ``outlier_ratio`` likewise.
 
     * ``linear_bits``: inputs of ``nn.Linear`` layers (weight gradient only).
     * ``attention_bits``: query/key/value kept by the attention core; the ``T x T`` probability
@@ -46,12 +69,13 @@ class DivisionConfig:
     group_size: int = 256  # HFC elements sharing one min/scale pair
     rounding: str = "stochastic"
     channel_scale: bool = True  # normalize HFC channels before grouping (outlier channels)
-    linear_bits: int = 4
-    attention_bits: int = 4
-    activation_bits: int = 4
-    norm_bits: int = 4
+    linear_bits: int | None = None
+    attention_bits: int | None = None
+    activation_bits: int | None = None
+    norm_bits: int | None = None
     min_numel: int = 4096  # smaller saved tensors are kept as they are
     norm_row_scale: bool = True  # norm inputs: each token divided by its RMS (kept exact) before compression
+    outlier_ratio: float | None = None  # tokens with max |x| > this x the median token's are kept exact; 0: off
     dropout_bits: bool = True  # store dropout masks as 1 bit per element
     generic_fallback: bool = False  # patch unregistered model types generically (with a warning)
     module_bits: str = ""  # per-module overrides of the *_bits fields (JSON / path / dict), see above
@@ -69,10 +93,13 @@ class DivisionConfig:
                 raise ValueError(f"DivisionConfig.{name} must be a positive integer, got {value!r}")
         if self.group_size % 8:
             raise ValueError(f"DivisionConfig.group_size must be a multiple of 8, got {self.group_size}")
+        ratio = self.outlier_ratio
+        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not (ratio == 0 or ratio > 1)):
+            raise ValueError(f"DivisionConfig.outlier_ratio must be 0 (off) or a number > 1, got {self.outlier_ratio!r}")
         for kind in KINDS:
             bits = getattr(self, f"{kind}_bits")
-            if bits not in (0, 1, 2, 4, 8) or isinstance(bits, bool):
-                raise ValueError(f"DivisionConfig.{kind}_bits must be 0, 1, 2, 4 or 8, got {bits!r}")
+            if bits is not None and (bits not in (0, 1, 2, 4, 8) or isinstance(bits, bool)):
+                raise ValueError(f"DivisionConfig.{kind}_bits must be 0, 1, 2, 4, 8 or None, got {bits!r}")
         self._overrides = _parse_module_bits(self.module_bits)
         self._resolved: dict = {}  # this module's overrides, set by for_module
 
@@ -84,7 +111,21 @@ class DivisionConfig:
         if override is not None:
             return override
         bits = getattr(self, f"{kind}_bits")
+        bits = DEFAULT_BITS[kind] if bits is None else bits
         return min(bits, 2) if self.method == "actnn" and bits else bits
+
+    @property
+    def effective_outlier_ratio(self) -> float:
+        """``outlier_ratio`` (its default if unset); 0 for ActNN, whose scheme has no such step."""
+        if self.method == "actnn":
+            return 0.0
+        return DEFAULTS["outlier_ratio"] if self.outlier_ratio is None else float(self.outlier_ratio)
+
+    def resolved(self, model_type: str | None) -> "DivisionConfig":
+        """This config with every field left at None set to ``model_type``'s default."""
+        family = FAMILY_DEFAULTS.get(model_type, {})
+        unset = {k: family.get(k, v) for k, v in DEFAULTS.items() if getattr(self, k) is None}
+        return dataclasses.replace(self, **unset) if unset else self
 
     def _override(self, kind: str, name: str) -> int | None:
         best = None

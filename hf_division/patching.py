@@ -235,6 +235,7 @@ def apply_division(model: nn.Module, config: DivisionConfig | None = None) -> nn
             "(Linear/Conv1D, norm and activation inputs, attention if it uses the attention interface)"
         )
         patcher = apply_division_generic
+    config = config.resolved(model_type)
     current = base.__dict__.get(STATE_ATTR)
     if current is not None:
         if current.config == config:

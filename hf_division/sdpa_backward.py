@@ -20,6 +20,19 @@ from . import compressor
 _softmax = getattr(torch, "_safe_softmax", None)  # rows with every key masked give 0, as sdpa's math path
 
 
+def _safe_softmax(s):
+    return _softmax(s, -1) if _softmax is not None else torch.softmax(s, -1).nan_to_num_(0.0)
+
+
+def _may_mask_whole_rows(attn_mask, is_causal: bool, tq_tk) -> bool:
+    """Whether some query row may have every key masked (then sdpa gives 0 there, not NaN). Checked
+    on the mask, which broadcasts and is smaller than the scores: the safe softmax costs ~3x the plain one."""
+    if attn_mask is None:  # sdpa's causal mask is top-left aligned: every row keeps key 0
+        return False
+    blocked = attn_mask.logical_not() if attn_mask.dtype == torch.bool else attn_mask == float("-inf")
+    return bool(blocked.all(-1).any()) if attn_mask.shape[-1] == tq_tk[1] else True
+
+
 def sdpa_grads(q, k, v, dout, attn_mask=None, keep=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """``(dq, dk, dv)`` of ``out = sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)`` for ``dout``.
 
@@ -35,7 +48,7 @@ def sdpa_grads(q, k, v, dout, attn_mask=None, keep=None, dropout_p=0.0, is_causa
     if rep > 1:
         k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s = torch.matmul(q, k.transpose(-2, -1)).mul_(scale)
+    s = torch.matmul(q * scale, k.transpose(-2, -1))  # scaling q: a T x d pass, not T x T
     if is_causal:
         tq, tk = s.shape[-2:]
         s.masked_fill_(torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
@@ -44,7 +57,7 @@ def sdpa_grads(q, k, v, dout, attn_mask=None, keep=None, dropout_p=0.0, is_causa
             s.masked_fill_(attn_mask.logical_not(), float("-inf"))
         else:
             s.add_(attn_mask)
-    p = _softmax(s, -1) if _softmax is not None else torch.softmax(s, -1)
+    p = _safe_softmax(s) if _may_mask_whole_rows(attn_mask, is_causal, s.shape[-2:]) else torch.softmax(s, -1)
     del s
     ds_scale = scale
     if keep is not None:  # out = (P * keep / (1 - p_drop)) @ V: the constant is folded into the products

@@ -22,20 +22,27 @@ from .config import DivisionConfig
 class Entry:
     """A saved activation held for backward. ``get()`` rebuilds it; ``done()`` marks one use."""
 
-    __slots__ = ("packed", "parents", "fn", "kind", "extra", "sign", "uses", "_cache", "__weakref__")
+    __slots__ = ("packed", "parents", "fn", "kind", "extra", "sign", "uses", "users", "_cache", "freed", "__weakref__")
 
     def __init__(self, kind: str, packed=None, parents: tuple = (), fn: Callable | None = None, extra=(), sign=None):
         self.packed, self.parents, self.fn, self.kind = packed, tuple(parents), fn, kind
         self.sign = sign  # (bits, n) of ``x > 0``, exact, for activations with a kink at 0
         self.extra = tuple(extra)  # tensors a recipe needs (e.g. a dropout mask), for accounting
-        self.uses = 0  # consumers that have not run their backward yet
+        self.uses = 0  # consumers that have not run their backward yet (in this backward)
+        self.users = 0  # consumers in all
         self._cache = None
+        self.freed = False
         _account(self)
 
     def get(self) -> torch.Tensor:
         """The rebuilt tensor; kept until its last consumer is done so it is decompressed once."""
         if self._cache is not None:
             return self._cache
+        if self.freed:
+            raise RuntimeError(
+                "hf-division: this saved activation was freed after its last use in backward (as PyTorch "
+                "frees saved tensors); call backward(retain_graph=True) to backpropagate through it twice"
+            )
         if self.packed is not None:
             value = compressor.decompress(self.packed)
             if self.sign is not None:
@@ -49,13 +56,28 @@ class Entry:
         return value
 
     def done(self) -> None:
+        """One consumer's backward has used it. After the last one the compressed copy is freed
+        too, unless this backward retains the graph: autograd keeps the Functions' contexts (and so
+        these entries) until the whole backward ends, so without this memory grew layer by layer
+        during backward (MiniLM 32x128: peak 255 -> 212 MiB)."""
         self.uses -= 1
         if self.uses <= 0:
             self._cache = None
+            keep = _backward_keeps_graph()
+            if keep:  # a retained graph: the next backward goes through every consumer again
+                self.uses = self.users
+            elif keep is False:
+                self.packed = self.sign = self.fn = None
+                self.parents = self.extra = ()
+                self.freed = True
+
+    def add_user(self) -> None:
+        self.uses += 1
+        self.users += 1
 
     def tensors(self) -> list[torch.Tensor]:
         p = self.packed
-        own = [t for t in (p.packed, p.lo, p.scale, p.lfc, p.cscale) if t is not None] if p is not None else []
+        own = p.storages() if p is not None else []
         own += [self.sign[0]] if self.sign is not None else []
         return own + list(self.extra)
 
@@ -85,9 +107,19 @@ _live: dict[int, tuple[weakref.ref, int, Entry]] = {}
 
 def lookup(t: torch.Tensor) -> Entry | None:
     rec = _live.get(id(t))
-    if rec is not None and rec[0]() is t and rec[1] == t._version:
+    if rec is not None and rec[0]() is t and rec[1] == t._version and not rec[2].freed:
         return rec[2]
     return None
+
+
+def _backward_keeps_graph() -> bool | None:
+    """Whether the running backward retains the graph; None outside a backward (or if unknown)."""
+    try:
+        if torch._C._current_graph_task_id() == -1:
+            return None
+        return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def register(t: torch.Tensor, entry: Entry) -> None:
@@ -120,7 +152,7 @@ def keep(t: torch.Tensor, kind: str, config: DivisionConfig, exact_sign: bool = 
         sign = compressor.pack_mask(t > 0) if exact_sign and packed.bits else None
         entry = Entry(kind, packed=packed, sign=sign)
         register(t, entry)
-    entry.uses += 1
+    entry.add_user()
     return entry
 
 
@@ -146,7 +178,7 @@ def derive(t: torch.Tensor, parents: tuple, fn: Callable, extra=()) -> None:
     """Declare that ``t == fn(*parents)`` so a later consumer of ``t`` stores nothing new."""
     entry = Entry(parents[0].kind, parents=parents, fn=fn, extra=extra)
     for parent in parents:
-        parent.uses += 1
+        parent.add_user()
     register(t, entry)
     weakref.finalize(t, _release_unused, weakref.ref(entry))
 
@@ -154,8 +186,9 @@ def derive(t: torch.Tensor, parents: tuple, fn: Callable, extra=()) -> None:
 def _release_unused(ref):
     # ``t`` died; if no consumer took the recipe, give its use of the parents back
     entry = ref()
-    if entry is not None and entry.uses == 0:
+    if entry is not None and entry.users == 0:
         for parent in entry.parents:
+            parent.users -= 1
             parent.done()
 
 
@@ -210,6 +243,7 @@ def pack(t: torch.Tensor, kind: str, config: DivisionConfig) -> compressor.Packe
         stochastic=config.rounding == "stochastic",
         channel_scale=config.channel_scale and config.method == "division",
         generator=noise_generator(t.device),
+        outlier_ratio=config.effective_outlier_ratio,
     )
 
 

@@ -169,3 +169,44 @@ def test_functional_dropout_kept_as_bits():
     masks = [t for t, k in held if k == "dropout"]
     # 2 layers x 2 hidden dropouts, each (2, 64, 64) elements as bits
     assert len(masks) >= 4 and all(t.numel() == 2 * 64 * 64 // 8 for t in masks[:4])
+
+
+def test_unset_bits_take_the_family_default_and_explicit_bits_win():
+    from hf_division.config import DEFAULT_BITS, FAMILY_DEFAULTS
+
+    cfg = DivisionConfig()
+    assert cfg.bits("attention") == DEFAULT_BITS["attention"]  # unresolved: the generic default
+    llama = cfg.resolved("llama")
+    assert llama.attention_bits == FAMILY_DEFAULTS["llama"]["attention_bits"] == 8 and llama.linear_bits == 4
+    assert cfg.resolved("bert") == DivisionConfig(linear_bits=4, attention_bits=4, activation_bits=4, norm_bits=4,
+                                                  outlier_ratio=0)
+    assert cfg.resolved("llama").outlier_ratio == cfg.effective_outlier_ratio == 16
+    assert DivisionConfig(attention_bits=2).resolved("llama").attention_bits == 2
+    assert DivisionConfig(method="actnn").resolved("llama").bits("attention") == 2  # ActNN caps at 2
+
+
+
+
+def test_compressed_copies_freed_after_last_use_unless_graph_retained():
+    from hf_division import store
+
+    model, batch = tiny_model("bert"), tiny_batch(model_type="bert")
+    hd.apply_division(model, DivisionConfig(min_numel=0))
+    model.train()
+    store.start_accounting()
+    loss = model(**batch).loss
+    refs = [ref for ref, kind in store._accounting if kind is None]
+    store.stop_accounting()
+    entries = [r() for r in refs if r() is not None]
+    assert entries and not any(e.freed for e in entries)
+    loss.backward(retain_graph=True)  # kept for a second backward
+    first = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    assert not any(e.freed for e in entries)
+    model.zero_grad(set_to_none=True)
+    loss.backward()  # the same noise-free rebuild: the same gradients; then freed
+    second = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert all(e.freed and e.packed is None for e in entries if e.uses <= 0)
+    assert any(e.freed for e in entries)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        loss.backward()

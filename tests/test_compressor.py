@@ -151,3 +151,41 @@ def test_pack_mask_roundtrip_and_bit_order(n):
     assert torch.equal(unpack_mask(packed, count, (n,)).bool(), view)
     flat = torch.nn.functional.pad(view.to(torch.uint8), (0, -n % 8))
     assert torch.equal(packed, pack_bits(flat, 1))  # same layout as the generic packer
+
+
+def _massive(dtype=torch.float32):
+    """(2, 64, 96) activations with two "massive" tokens (1000x in two channels), as decoder LLMs have."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 64, 96, generator=g)
+    x[0, 0, 7], x[1, 0, 7], x[0, 0, 50] = 3000.0, -2500.0, 1000.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_outlier_tokens_are_kept_exact_and_counted(dtype):
+    x = _massive(dtype)
+    p = compress(x, bits=4, block_size=16, outlier_ratio=16, generator=torch.Generator().manual_seed(1))
+    assert p.row_index.tolist() == [0, 64] and p.rows.dtype == dtype  # token 0 of each sequence
+    y = decompress(p)
+    assert torch.equal(y[:, 0], x[:, 0])
+    plain = compress(x, bits=4, block_size=16, generator=torch.Generator().manual_seed(1))
+    assert p.nbytes == plain.nbytes + p.rows.untyped_storage().nbytes() + p.row_index.untyped_storage().nbytes()
+    # the other tokens: their error no longer scales with the massive values
+    err = (y[:, 1:] - x[:, 1:]).float().norm() / x[:, 1:].float().norm()
+    err_plain = (decompress(plain)[:, 1:] - x[:, 1:]).float().norm() / x[:, 1:].float().norm()
+    assert err < 0.25 and err_plain > 2, (err, err_plain)  # measured 0.15 vs 16
+
+
+def test_no_outliers_no_extra_storage():
+    x = torch.randn(2, 64, 96, generator=torch.Generator().manual_seed(0))
+    p = compress(x, bits=4, block_size=16, outlier_ratio=16)
+    assert p.rows is None and p.row_index is None
+    x[0, 3] = 1e4  # one token: kept, the others are not
+    assert compress(x, bits=4, block_size=16, outlier_ratio=16).row_index.tolist() == [3]
+
+
+def test_outlier_count_is_capped():
+    x = torch.randn(1, 128, 32, generator=torch.Generator().manual_seed(0))
+    x[0, :10] *= 1000  # 10 "outliers" in 128 tokens; at most 128 // 64 = 2 are kept, the largest
+    p = compress(x, bits=4, block_size=16, outlier_ratio=16)
+    assert p.row_index.numel() == 2 and set(p.row_index.tolist()) <= set(range(10))

@@ -44,7 +44,7 @@ def test_trainer_trains_saves_resumes_and_evaluates_uncompressed(tmp_path):
     trainer = Trainer(model=model, args=args, train_dataset=_dataset(), eval_dataset=_dataset(8))
     result = trainer.train()
     assert torch.isfinite(torch.tensor(result.training_loss))
-    assert division_config_of(model) == args.division_config()
+    assert division_config_of(model) == args.division_config().resolved(model.config.model_type)
     # evaluation runs the original forward: identical to an unpatched copy
     metrics = trainer.evaluate()
     hd.remove_division(model)
