@@ -24,14 +24,15 @@ _ROUNDING = ("stochastic", "nearest")
 # Pretrained decoder LLMs need more bits for what feeds the attention recomputation and the MLP
 # activation: on real SmolLM2-135M (30 layers) 4 bits there gave a gradient cosine of 0.95, 8 bits
 # 0.996 (docs/ARCHITECTURES.md, scripts/family_policy.py --smollm2). Random-init models cannot show
-# it, so the other decoder families take the measured Llama setting by analogy.
+# it, so the other decoder families take the measured Llama setting by analogy. T5 too: it does not
+# scale q.k by 1/sqrt(d), and gated-GELU T5 (v1.1, Flan) reached only 0.971 at 4 bits, 0.993 at 8.
 _DECODER = {"attention_bits": 8, "activation_bits": 8}
 # BERT-family encoders: no token reached 16x the median on real MiniLM, and looking for outlier
 # tokens costs ~1.5% of a step, so they skip it.
 _ENCODER = {"outlier_ratio": 0.0}
 #: model_type -> the fields whose default differs from DEFAULTS.
 FAMILY_DEFAULTS = {
-    **{t: _DECODER for t in ("gpt2", "opt", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")},
+    **{t: _DECODER for t in ("gpt2", "opt", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "t5")},
     **{t: _ENCODER for t in ("bert", "roberta", "xlm-roberta", "electra", "distilbert")},
 }
 

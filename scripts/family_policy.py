@@ -22,15 +22,19 @@ from transformers import AutoConfig, AutoModelForImageClassification, AutoModelF
 from hf_division import DivisionConfig, measure_activation_memory
 from hf_division.fidelity import gradient_cosine
 
+ALL4 = dict(linear_bits=4, attention_bits=4, activation_bits=4, norm_bits=4)
 POLICIES = {
-    "default (all 4-bit)": {},
-    "norm_row_scale off": dict(norm_row_scale=False),
-    **{f"{kind} 8-bit": {f"{kind}_bits": 8} for kind in ("linear", "attention", "activation", "norm")},
-    **{f"{kind} 2-bit": {f"{kind}_bits": 2} for kind in ("linear", "attention", "activation", "norm")},
+    "default (family)": {},  # the family's defaults (hf_division.config.FAMILY_DEFAULTS)
+    "default (all 4-bit)": ALL4,
+    "norm_row_scale off": dict(ALL4, norm_row_scale=False),
+    "no outlier tokens": dict(ALL4, outlier_ratio=0),
+    **{f"{kind} 8-bit": {**ALL4, f"{kind}_bits": 8} for kind in ("linear", "attention", "activation", "norm")},
+    **{f"{kind} 2-bit": {**ALL4, f"{kind}_bits": 2} for kind in ("linear", "attention", "activation", "norm")},
     "all 8-bit": dict(linear_bits=8, attention_bits=8, activation_bits=8, norm_bits=8),
-    "attention+activation 8": dict(attention_bits=8, activation_bits=8),  # the candidate for T5 v1.1
+    "attention+activation 8": dict(ALL4, attention_bits=8, activation_bits=8),  # decoders' and T5's default
 }
-REAL_POLICIES = ["default (all 4-bit)", "norm_row_scale off", "activation 8-bit", "norm 8-bit", "activation 2-bit"]
+REAL_POLICIES = ["default (family)", "default (all 4-bit)", "no outlier tokens", "attention 8-bit", "activation 8-bit",
+                 "attention+activation 8"]
 
 SIZES = {
     "llama": dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,

@@ -57,25 +57,24 @@ def test_t5_heads(head, impl):
         batch = {"input_ids": ids, "attention_mask": mask, "start_positions": torch.tensor([3, 10]),
                  "end_positions": torch.tensor([7, 20])}
     model = _model(cls, "t5", impl, num_labels=2 if head == "qa" else 3)
-    if head == "qa":  # 0.974 at the default 4 bits on this tiny config (docs/ARCHITECTURES.md)
-        _check(model, batch, config=EXACT_ISH, min_cos=0.995)
-    else:
-        _check(model, batch, min_ratio=4 if head == "lm" else None)
+    # T5's default keeps attention and activation inputs at 8 bits (the QA head: 0.974 at 4)
+    _check(model, batch, min_ratio=4 if head == "lm" else None)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 def test_t5_gated_gelu_feed_forward(impl):
-    """T5 v1.1 / Flan-T5 feed-forward. On this tiny random-init config the default 4-bit policy
-    reaches a cosine of only 0.965-0.973 (docs/ARCHITECTURES.md), so fidelity is checked at
-    8 bits, where a wrong gate/up recomputation would still show."""
+    """T5 v1.1 / Flan-T5 feed-forward: 4-bit attention and activation inputs reached a cosine of
+    only 0.965-0.973 on this tiny config, T5's default (8 bits there) >= 0.98; at 8 bits everywhere
+    a wrong gate/up recomputation would still show."""
     model = _model(tf.T5ForSequenceClassification, "t5", impl, feed_forward_proj="gated-gelu")
     assert isinstance(model.transformer.encoder.block[0].layer[-1].DenseReluDense, tf.models.t5.modeling_t5.T5DenseGatedActDense)
     batch = tiny_batch(batch=4, seq=128, model_type="t5")
     _check(model, batch, min_ratio=4, config=EXACT_ISH, min_cos=0.995)
-    # gate and up kept once at 4 bits, their product derived: no full-precision copy of wi_1's output
+    _check(model, batch)
+    # gate and up kept once (8 bits), their product derived: no full-precision copy of wi_1's output
     mem = hd.measure_activation_memory(model, batch)
     base, div = mem.by_kind["activation"]
-    assert base / div >= 4, mem.table()
+    assert base / div >= 2.5, mem.table()
 
 
 @pytest.mark.parametrize("impl", IMPLS)
