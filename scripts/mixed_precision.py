@@ -91,7 +91,7 @@ def main(argv=None):
     ap.add_argument("--data", default=DEFAULT_DATA, help="SST-2 TSV for MiniLM (sentence<TAB>label)")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
-    torch.set_num_threads(2)
+    torch.set_num_threads(int(os.environ.get("HF_DIVISION_THREADS", "2")))
     rows = []
     print(f"{'model':<7} {'prec':<5} {'LFC':<9} {'base MiB':>9} {'div MiB':>8} {'ratio':>6} {'cos min':>8} "
           f"{'cos mean':>8} {'vs fp32':>8} {'prec vs fp32':>12} {'finite':>6}")

@@ -1,6 +1,7 @@
 """Training step time: baseline vs division vs activation checkpointing, interleaved, medians.
 
 python scripts/step_time.py [--batch 32 --seq 128 --rounds 7] [--attn sdpa] [--division_<field> V ...]
+python scripts/step_time.py --profile [--top 25]   # where the time goes: torch.profiler, per op
 
 Real MiniLM-L6. Each round times one step (forward + backward) of every method in turn, so
 machine noise hits all methods alike; the report gives each method's median and its ratio to
@@ -25,6 +26,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--attn", default="sdpa", choices=["eager", "sdpa"])
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--profile", action="store_true", help="profile one step of baseline and division instead")
+    ap.add_argument("--top", type=int, default=25)
     args, rest = ap.parse_known_args(argv)
     (dc,) = HfArgumentParser(DivisionConfig).parse_args_into_dataclasses([a.replace("--division_", "--") for a in rest])
     torch.set_num_threads(args.threads)
@@ -36,6 +39,8 @@ def main(argv=None):
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1000, 30000, (args.batch, args.seq), generator=g)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.zeros(args.batch, dtype=torch.long)}
+    if args.profile:
+        return profile(methods, batch, args.top)
     times = {name: [] for name in methods}
     for r in range(args.rounds + 1):
         for name, model in methods.items():
@@ -51,6 +56,30 @@ def main(argv=None):
     print(f"{'method':<14} {'median s':>9} {'ratio':>6}")
     for k, v in med.items():
         print(f"{k:<14} {v:>9.3f} {v / med['baseline']:>6.2f}")
+
+
+def profile(methods, batch, top):
+    """Self CPU time per op of one warm step, baseline vs division, largest differences first."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    per = {}
+    for name in ("baseline", "division"):
+        model = methods[name].train()
+        for _ in range(2):  # warm up (torch.compile of the compressor kernels)
+            model(**batch).loss.backward()
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            model(**batch).loss.backward()
+        per[name] = {e.key: (e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()}
+    total = {k: sum(ms for ms, _ in v.values()) for k, v in per.items()}
+    print(f"self CPU ms of one step (profiler overhead included): baseline {total['baseline']:.0f}, "
+          f"division {total['division']:.0f}")
+    keys = set(per["baseline"]) | set(per["division"])
+    diff = sorted(keys, key=lambda k: -(per["division"].get(k, (0, 0))[0] - per["baseline"].get(k, (0, 0))[0]))
+    print(f"{'op':<58} {'baseline ms':>11} {'division ms':>11} {'calls b/d':>10}")
+    for k in diff[:top]:
+        b, d = per["baseline"].get(k, (0.0, 0)), per["division"].get(k, (0.0, 0))
+        print(f"{k[:58]:<58} {b[0]:>11.1f} {d[0]:>11.1f} {b[1]:>4}/{d[1]:<5}")
 
 
 if __name__ == "__main__":

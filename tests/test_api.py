@@ -28,7 +28,8 @@ def test_unsupported_type_names_it():
 @pytest.mark.parametrize(
     "field,value",
     [("linear_bits", 3), ("norm_bits", -1), ("block_size", 0), ("group_size", 12), ("lfc_dtype", "int4"),
-     ("method", "gact"), ("rounding", "up"), ("min_numel", -5), ("attention_bits", True)],
+     ("method", "gact"), ("rounding", "up"), ("min_numel", -5), ("attention_bits", True), ("outlier_ratio", 0.5),
+     ("outlier_ratio", "high")],
 )
 def test_bad_config_names_field(field, value):
     with pytest.raises(ValueError, match=field):

@@ -19,11 +19,12 @@ def _dataset(n=24, seq=32):
 def test_parser_exposes_division_fields():
     (args,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(
         ["--output_dir", "x", "--division", "--division_block_size", "4", "--division_norm_bits", "8",
-         "--division_rounding", "nearest"]
+         "--division_rounding", "nearest", "--division_outlier_ratio", "0"]
     )
     assert args.division is True
     cfg = args.division_config()
-    assert (cfg.block_size, cfg.norm_bits, cfg.rounding) == (4, 8, "nearest")
+    assert (cfg.block_size, cfg.norm_bits, cfg.rounding, cfg.outlier_ratio) == (4, 8, "nearest", 0)
+    assert cfg.attention_bits is None  # unset: the model family's default, resolved by apply_division
     assert {f"division_{n}" for n in hd.DivisionConfig.field_names()} <= set(vars(args))
     (plain,) = HfArgumentParser(TrainingArguments).parse_args_into_dataclasses(["--output_dir", "x"])
     assert plain.division is False and plain.division_config() == hd.DivisionConfig()
