@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 import warnings
 from dataclasses import dataclass
 
@@ -249,8 +250,19 @@ def set_fused(enabled: bool) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(kernel):
-    return torch.compile(kernel, dynamic=False)
+def _compiled(kernel, variant: tuple):
+    """``kernel`` compiled for one ``variant`` (static arguments, chunk size, which inputs are None).
+
+    Each variant gets a copy of the function with a code object of its own: dynamo keeps at most
+    ``recompile_limit`` (8) versions per code object and runs the rest eagerly, and bit widths x
+    chunk sizes x rounding modes exceed that (decoders use 4 and 8 bits, auto-precision 2, 4, 8)."""
+    code = kernel.__code__.replace(co_name=f"{kernel.__name__}_v{len(_variants)}")
+    _variants.append(variant)
+    fn = types.FunctionType(code, kernel.__globals__, code.co_name, kernel.__defaults__, kernel.__closure__)
+    return torch.compile(fn, dynamic=False)
+
+
+_variants: list = []
 
 
 def _run_groups(kernel, n_groups: int, args: tuple, per_group: tuple, static: tuple):
@@ -261,8 +273,10 @@ def _run_groups(kernel, n_groups: int, args: tuple, per_group: tuple, static: tu
     """
     if not _fused["enabled"] or n_groups < _CHUNKS[-1]:
         return kernel(*args, *static)
-    fn, pieces, start = _compiled(kernel), [], 0
+    pieces, start = [], 0
+    absent = tuple(a is None for a in args)
     for size in _CHUNKS:
+        fn = _compiled(kernel, (static, size, absent))
         while n_groups - start >= size:
             sliced = [a if k is None or a is None else a[start * k : (start + size) * k] for a, k in zip(args, per_group)]
             try:

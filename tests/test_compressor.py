@@ -189,3 +189,14 @@ def test_outlier_count_is_capped():
     x[0, :10] *= 1000  # 10 "outliers" in 128 tokens; at most 128 // 64 = 2 are kept, the largest
     p = compress(x, bits=4, block_size=16, outlier_ratio=16)
     assert p.row_index.numel() == 2 and set(p.row_index.tolist()) <= set(range(10))
+
+
+def test_each_kernel_variant_compiles_on_its_own_code_object():
+    """dynamo compiles at most 8 versions per code object and runs further ones eagerly (a silent
+    slowdown once bit widths x chunk sizes x rounding modes exceed it): each variant gets its own."""
+    a = compressor._compiled(compressor.encode_groups, ((4, 256), 1024, (False,) * 5))
+    b = compressor._compiled(compressor.encode_groups, ((8, 256), 1024, (False,) * 5))
+    assert a is compressor._compiled(compressor.encode_groups, ((4, 256), 1024, (False,) * 5))
+    code_a, code_b = (f._torchdynamo_orig_callable.__code__ for f in (a, b))
+    assert code_a is not code_b and code_a is not compressor.encode_groups.__code__
+    assert code_a.co_code == compressor.encode_groups.__code__.co_code  # the same kernel
