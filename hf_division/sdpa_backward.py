@@ -33,7 +33,33 @@ def _may_mask_whole_rows(attn_mask, is_causal: bool, tq_tk) -> bool:
     return bool(blocked.all(-1).any()) if attn_mask.shape[-1] == tq_tk[1] else True
 
 
+#: bytes of float32 scores per chunk: the T x T intermediates of one chunk stay in cache. One pass
+#: over the whole batch let them spill to memory between the five passes that touch them; in
+#: chunks the written-out backward took half the time (MiniLM's 32 x 12 x 128 x 128: 85 -> 45 ms).
+_CHUNK_BYTES = 4 << 20
+
+
 def sdpa_grads(q, k, v, dout, attn_mask=None, keep=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """``(dq, dk, dv)`` of ``out = sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)`` for ``dout``,
+    computed over chunks of the leading (batch) dimension (:func:`_sdpa_grads_block`)."""
+    n = q.shape[0] if q.dim() == 4 else 1
+    per_item = q[0].numel() // q.shape[-1] * k.shape[-2] * 4 if n > 1 else 0
+    step = max(1, _CHUNK_BYTES // per_item) if per_item else n
+    if step >= n:
+        return _sdpa_grads_block(q, k, v, dout, attn_mask, keep, dropout_p, is_causal, scale, enable_gqa)
+
+    def part(t, i):  # batch-sized tensors are sliced; broadcast ones (mask of batch 1) passed whole
+        return t[i : i + step] if t is not None and t.dim() == 4 and t.shape[0] == n else t
+
+    pieces = [
+        _sdpa_grads_block(part(q, i), part(k, i), part(v, i), part(dout, i), part(attn_mask, i), part(keep, i),
+                          dropout_p, is_causal, scale, enable_gqa)
+        for i in range(0, n, step)
+    ]
+    return tuple(torch.cat(grads) for grads in zip(*pieces))
+
+
+def _sdpa_grads_block(q, k, v, dout, attn_mask=None, keep=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """``(dq, dk, dv)`` of ``out = sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)`` for ``dout``.
 
     q ``(..., H, Tq, E)``, k ``(..., Hk, Tk, E)``, v ``(..., Hk, Tk, Ev)``, dout ``(..., H, Tq, Ev)``;

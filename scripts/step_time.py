@@ -68,6 +68,7 @@ def profile(methods, batch, top):
         model = methods[name].train()
         for _ in range(2):  # warm up (torch.compile of the compressor kernels)
             model(**batch).loss.backward()
+        model.zero_grad(set_to_none=True)
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
             model(**batch).loss.backward()
         per[name] = {e.key: (e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()}

@@ -101,3 +101,21 @@ def test_activation_direct_backward_matches_autograd():
         torch.testing.assert_close(direct(g, x.detach()), ref)
     for module in (NewGELUActivation(), nn.ReLU(), nn.LayerNorm(32), GELUActivation(use_gelu_python=True)):
         assert _elementwise_grad(module.forward) is None, module
+
+
+@pytest.mark.parametrize("mask", [None, "bool", "float", "broadcast"])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_chunked_over_batch_matches_one_pass(monkeypatch, mask, gqa):
+    """sdpa_grads runs over chunks of the batch (cache-sized); per-item slices of q, k, v, dout,
+    mask and dropout bits must give the one-pass result (masks of batch 1 are broadcast)."""
+    from hf_division import sdpa_backward
+
+    q, k, v, dout = _inputs(hk=2 if gqa else 4)
+    m = _mask("float")[:1] if mask == "broadcast" else _mask(mask)
+    keep = (torch.rand(2, 4, 24, 24, generator=torch.Generator().manual_seed(2)) > 0.25).to(torch.uint8)
+    args = (q.detach(), k.detach(), v.detach(), dout, m, keep, 0.25, False, 0.3, gqa)
+    whole = sdpa_grads(*args)
+    monkeypatch.setattr(sdpa_backward, "_CHUNK_BYTES", 1)  # one item per chunk
+    chunked = sdpa_grads(*args)
+    for a, b in zip(chunked, whole):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
