@@ -17,6 +17,7 @@ Works on CPU and CUDA alike; the fused core is ``torch.compile``-able (see ``set
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import types
 import warnings
@@ -256,13 +257,12 @@ def _compiled(kernel, variant: tuple):
     Each variant gets a copy of the function with a code object of its own: dynamo keeps at most
     ``recompile_limit`` (8) versions per code object and runs the rest eagerly, and bit widths x
     chunk sizes x rounding modes exceed that (decoders use 4 and 8 bits, auto-precision 2, 4, 8)."""
-    code = kernel.__code__.replace(co_name=f"{kernel.__name__}_v{len(_variants)}")
-    _variants.append(variant)
+    code = kernel.__code__.replace(co_name=f"{kernel.__name__}_v{next(_variant_ids)}")
     fn = types.FunctionType(code, kernel.__globals__, code.co_name, kernel.__defaults__, kernel.__closure__)
     return torch.compile(fn, dynamic=False)
 
 
-_variants: list = []
+_variant_ids = itertools.count()
 
 
 def _run_groups(kernel, n_groups: int, args: tuple, per_group: tuple, static: tuple):

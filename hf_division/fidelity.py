@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .config import DivisionConfig
-from .patching import apply_division, division_config_of, remove_division
+from .patching import apply_division, remove_division, restored_division
 
 
 def flat_grad(model: torch.nn.Module, inputs: dict, seed: int) -> torch.Tensor:
@@ -20,9 +20,8 @@ def flat_grad(model: torch.nn.Module, inputs: dict, seed: int) -> torch.Tensor:
 
 def gradient_cosine(model, inputs: dict, config: DivisionConfig | None = None, seeds=(0, 1, 2)) -> list[float]:
     """Cosine of the division gradient to the exact one, per seed (same dropout masks: same seed)."""
-    before = division_config_of(model)
     out = []
-    try:
+    with restored_division(model) as before:
         for seed in seeds:
             remove_division(model)
             exact = flat_grad(model, inputs, seed)
@@ -31,8 +30,4 @@ def gradient_cosine(model, inputs: dict, config: DivisionConfig | None = None, s
             # float64: in float32, over the 42M gradient entries of a Llama-shaped model, the
             # cosine came out as 1.0029 for a true 0.9977
             out.append(torch.nn.functional.cosine_similarity(exact.double(), approx.double(), dim=0).item())
-    finally:
-        remove_division(model)
-        if before is not None:
-            apply_division(model, before)
     return out
