@@ -75,7 +75,6 @@ def unpack_bits(p: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: ``(n,)`` uint8 -> ``(n * 8 // bits,)`` uint8."""
     if bits == 8:
         return p
-    per = 8 // bits
     shifts = torch.arange(0, 8, bits, device=p.device, dtype=torch.uint8)
     return ((p.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).view(-1)
 
@@ -151,7 +150,7 @@ def outlier_tokens(x3: torch.Tensor, ratio: float) -> torch.Tensor | None:
     exceeds ``ratio`` times the median token's, at most ``M*T // 64`` of them (the largest); None
     if there are none.
 
-    Why: decoder LLMs put "massive activations" (1000x the typical value, SmolLM2's first token in
+    Why: decoder LLMs put "massive activations" (orders of magnitude above the rest; SmolLM2: its first token, in
     a few channels) on a few tokens. Inside a block such a token dominates the LFC, and in its
     channels it sets the group ranges of every other token: one of them made a layer's weight
     gradient pure noise (docs/ARCHITECTURES.md). Kept exact, they cost at most half a bit per

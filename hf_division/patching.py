@@ -13,7 +13,6 @@ import types
 import warnings
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_layers import GradientCheckpointingLayer

@@ -26,7 +26,7 @@ def _safe_softmax(s):
 
 def _may_mask_whole_rows(attn_mask, tq_tk) -> bool:
     """Whether some query row may have every key masked (then sdpa gives 0 there, not NaN). Checked
-    on the mask, which broadcasts and is smaller than the scores: the safe softmax costs ~3x the plain one."""
+    on the mask, which broadcasts and is smaller than the scores: the safe softmax is several times slower."""
     if attn_mask is None:  # sdpa's causal mask is top-left aligned: every row keeps key 0
         return False
     blocked = attn_mask.logical_not() if attn_mask.dtype == torch.bool else attn_mask == float("-inf")

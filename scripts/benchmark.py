@@ -447,7 +447,7 @@ def acceptance(records, model="minilm", size=(32, 128)) -> list[str]:
     r = {x["method"]: x for x in records if x["model"] == model and (x["batch"], x["seq"]) == size}
     if not {"none", "division", "ckpt"} <= set(r):
         return []
-    d, c, n = r["division"], r["ckpt"], r["none"]
+    d, c = r["division"], r["ckpt"]
     checks = [
         (f"division step time <= 1.15x none ({d['step_ratio']:.2f}x)", d["step_ratio"] <= 1.15),
         (f"division step time below ckpt's ({d['step_s']:.3f} s vs {c['step_s']:.3f} s)", d["step_s"] < c["step_s"]),

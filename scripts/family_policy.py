@@ -1,7 +1,7 @@
 """Per-family precision: does the default policy (every kind 4-bit) hold a gradient cosine >= 0.98,
 and do gated-MLP inputs (``activation``) or RMSNorm inputs (``norm``) need other bits?
 
-python scripts/family_policy.py [--families llama t5 t5-gated vit] [--seeds 0 1] [--smollm2 ../shared/data/glue/SST-2/dev.tsv]
+python scripts/family_policy.py [--families llama t5 t5-gated vit] [--seeds 0 1] [--smollm2 ../shared/data/glue/SST-2/dev.tsv [--smollm2-batch 4]]
 
 Families (random init, fp32, eager attention, batch 4 x 128 tokens; ViT 144 patches + [CLS]):
   llama     hidden 576, 9 heads / 3 KV heads, intermediate 1536, 4 layers (SmolLM-135M shape),
@@ -10,7 +10,7 @@ Families (random init, fp32, eager attention, batch 4 x 128 tokens; ViT 144 patc
   t5-gated  the same with gated-GELU (T5 v1.1 / Flan-T5)
   vit       hidden 64, 4 heads, 2 layers, 48x48 images in 4x4 patches, random pixels
 ``--smollm2 TSV``: also the real SmolLM2-135M-Instruct (scripts/decoder_fidelity.py) on real text,
-causal-LM loss, fewer policies (about 2 minutes each per seed on 2 cores).
+causal-LM loss, the policies of REAL_POLICIES, first seed only.
 Each row: policy (changes from the default), min cosine over seeds, bytes ratio baseline/division.
 """
 import argparse
@@ -32,9 +32,16 @@ POLICIES = {
     **{f"{kind} 2-bit": {**ALL4, f"{kind}_bits": 2} for kind in ("linear", "attention", "activation", "norm")},
     "all 8-bit": dict(linear_bits=8, attention_bits=8, activation_bits=8, norm_bits=8),
     "attention+activation 8": dict(ALL4, attention_bits=8, activation_bits=8),  # decoders' and T5's default
+    "no LFC (block 1)": dict(ALL4, block_size=1),
+    # one kind compressed (4-bit), the others kept as they are: which kind carries the error
+    **{f"only {kind}": {**{f"{k}_bits": 0 for k in ("linear", "attention", "activation", "norm")}, f"{kind}_bits": 4}
+       for kind in ("linear", "attention", "activation", "norm")},
+    "only linear, no outlier tokens": dict(linear_bits=4, attention_bits=0, activation_bits=0, norm_bits=0,
+                                           outlier_ratio=0),
 }
-REAL_POLICIES = ["default (family)", "default (all 4-bit)", "no outlier tokens", "attention 8-bit", "activation 8-bit",
-                 "attention+activation 8"]
+REAL_POLICIES = ["default (family)", "default (all 4-bit)", "no outlier tokens", "only linear",
+                 "only linear, no outlier tokens", "only attention", "only activation", "only norm", "attention 8-bit",
+                 "activation 8-bit", "attention+activation 8", "all 8-bit", "no LFC (block 1)"]
 
 SIZES = {
     "llama": dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
@@ -71,7 +78,7 @@ def run(label, model, batch, names, seeds):
         cfg = DivisionConfig(**POLICIES[name])
         cos = gradient_cosine(model, batch, cfg, seeds=seeds)
         mem = measure_activation_memory(model, batch, cfg)
-        print(f"{label:<9} {name:<22} {min(cos):>8.4f} {mem.ratio:>6.1f}", flush=True)
+        print(f"{label:<9} {name:<32} {min(cos):>8.4f} {mem.ratio:>6.1f}", flush=True)
 
 
 def main(argv=None):
@@ -80,12 +87,13 @@ def main(argv=None):
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), help="names from POLICIES")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--smollm2", metavar="TSV", help="also run the real SmolLM2-135M on this GLUE TSV")
+    ap.add_argument("--smollm2-batch", type=int, default=4, help="rows of 128 tokens for SmolLM2")
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     unknown = [p for p in args.policies if p not in POLICIES]
     if unknown:
         raise ValueError(f"--policies: unknown {unknown}; known: {list(POLICIES)}")
-    print(f"{'family':<9} {'policy':<22} {'cos min':>8} {'ratio':>6}")
+    print(f"{'family':<9} {'policy':<32} {'cos min':>8} {'ratio':>6}")
     for name in args.families:
         if name not in ("llama", "t5", "t5-gated", "vit"):
             raise ValueError(f"--families: unknown {name!r}")
@@ -96,7 +104,7 @@ def main(argv=None):
         import decoder_fidelity
 
         tok, model = decoder_fidelity.load("sdpa")
-        batch = decoder_fidelity.text_batch(args.smollm2, tok, 4, 128)
+        batch = decoder_fidelity.text_batch(args.smollm2, tok, args.smollm2_batch, 128)
         run("smollm2", model, batch, [p for p in REAL_POLICIES if p in args.policies], tuple(args.seeds[:1]))
 
 

@@ -2,7 +2,6 @@
 import os
 
 import pytest
-import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import hf_division as hd
