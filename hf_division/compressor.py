@@ -2,17 +2,18 @@
 
 A tensor ``x`` of shape ``(..., T, C)`` (token axis ``T``; any leading dims) is split into
 
-* **LFC** — the mean of every ``block_size`` consecutive tokens, shape ``(M, ceil(T/b), C)``,
+* **LFC** — the mean of every ``block_size`` consecutive tokens, shape ``(M * ceil(T/b), C)``,
   stored in a cheap high-precision dtype (bf16 by default);
 * **HFC** — the residual ``x - upsample(LFC)``, quantized to ``bits`` per element with a
-  min/scale pair per group of ``group_size`` consecutive residual elements (fp16) and unbiased
+  min/scale pair (bf16) per group of ``group_size`` consecutive tokens of one channel, unbiased
   stochastic rounding, bit-packed into ``uint8``.
 
 ``decompress(compress(x))`` returns a tensor of ``x``'s shape and dtype whose error per element is
 at most one quantization step of its group (``scale``), plus the rounding of ``x`` to its own dtype.
-With ``block_size <= 1`` there is no LFC and the scheme is plain group quantization (ActNN).
+Without a token axis (or with ``grouping="flat"``) the scheme is ActNN's: no LFC, groups of
+``group_size`` consecutive elements in memory order.
 
-Works on CPU and CUDA alike; the fused core is ``torch.compile``-able (see ``set_compile``).
+Works on CPU and CUDA alike; the fused core is ``torch.compile``-able (see ``set_fused``).
 """
 from __future__ import annotations
 
@@ -35,10 +36,9 @@ class Packed:
     """A compressed tensor. ``nbytes`` is exact: the sum of the storages it holds."""
 
     packed: torch.Tensor  # uint8, ceil(N / (8 / bits)) bytes; raw tensor when ``bits == 0``
-    lo: torch.Tensor | None  # (n_groups,) bf16 group minimum
-    scale: torch.Tensor | None  # (n_groups,) bf16 group step
-    lfc: torch.Tensor | None  # (M, ceil(T / block), C) in the LFC dtype
-    cscale: torch.Tensor | None  # (C,) float32 per-channel divisor of the HFC (a bound of its |values|)
+    lo: torch.Tensor | None  # bf16 group minimum: (n_groups,) flat, (ceil(M*Tp / group), C) tokens
+    scale: torch.Tensor | None  # bf16 group step, shaped as ``lo``
+    lfc: torch.Tensor | None  # (M * ceil(T / block), C) in the LFC dtype
     shape: torch.Size  # original shape
     dtype: torch.dtype  # original dtype
     layout: tuple | None  # (permutation to memory order, its shape, token axis in it); None: flat
@@ -47,10 +47,11 @@ class Packed:
     group_size: int
     rows: torch.Tensor | None = None  # (k, C) outlier tokens kept exact, in the original dtype
     row_index: torch.Tensor | None = None  # (k,) int64 their index among the M*T tokens
+    grouping: str = "flat"  # "tokens": groups of tokens within one channel; "flat": consecutive elements
 
     def storages(self) -> list[torch.Tensor]:
         """The tensors this object holds."""
-        own = (self.packed, self.lo, self.scale, self.lfc, self.cscale, self.rows, self.row_index)
+        own = (self.packed, self.lo, self.scale, self.lfc, self.rows, self.row_index)
         return [t for t in own if t is not None]
 
     @property
@@ -86,7 +87,9 @@ _GATHER_BITS = 0x0102040810204080
 
 def pack_mask(mask: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Any-shape bool/0-1 tensor -> (``ceil(n / 8)`` uint8 bytes, ``n``)."""
-    flat = (mask != 0).reshape(-1).view(torch.uint8)
+    # a bool mask is already 0/1 bytes (dropout's); an offset view is copied for the int64 view below
+    ready = mask.dtype == torch.bool and mask.is_contiguous() and mask.storage_offset() % 8 == 0
+    flat = (mask if ready else mask != 0).reshape(-1).view(torch.uint8)
     n = flat.numel()
     if n % 8:
         flat = torch.nn.functional.pad(flat, (0, -n % 8))
@@ -163,29 +166,89 @@ def outlier_tokens(x3: torch.Tensor, ratio: float) -> torch.Tensor | None:
     return keep if keep.numel() else None
 
 
-def _split(x3: torch.Tensor, block_size: int, lfc_dtype: torch.dtype, inv_scale: torch.Tensor | None = None):
-    """(M, T, C) float32 -> (LFC in lfc_dtype (M, nb, C), HFC float32 (M, nb*b, C) padded with 0).
+def _bf16_directed(v: torch.Tensor, down: bool) -> torch.Tensor:
+    """float32 -> the nearest bf16 value (as float32) toward -inf (``down``) or +inf.
 
-    ``inv_scale``: optional (C,) factors applied to the HFC in the same pass.
+    On the bits, not through a cast: inductor elides a float32 -> bf16 -> float32 round trip
+    inside a fused kernel. Truncating the low 16 bits rounds toward 0; one bf16 ulp more
+    magnitude (+0x10000) then rounds away from 0 where that is the wanted direction."""
+    i = v.view(torch.int32)
+    inexact = (i & 0xFFFF) != 0
+    away = inexact & ((v < 0) if down else (v > 0))
+    return ((i & -65536) + away.to(torch.int32) * 65536).view(torch.float32)
+
+
+def _round_lfc(v: torch.Tensor, dtype: torch.dtype):
+    """float32 block means -> (stored in ``dtype``, the same values as float32).
+
+    bf16 rounds to nearest-even on the bits: inductor's CPU code for a bf16 cast was ~3x slower
+    than the rest of the kernel, and inside a fused kernel it may elide the round trip (compiled
+    with emulated casts for the other dtypes)."""
+    if dtype == torch.float32:
+        return v, v
+    if dtype != torch.bfloat16:
+        stored = v.to(dtype)
+        return stored, stored.float()
+    i = v.view(torch.int32)
+    bits = (i + 0x7FFF + ((i >> 16) & 1)) & -65536
+    rounded = torch.where(v == v, bits.view(torch.float32), v)  # NaN stays NaN
+    return (rounded.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16), rounded
+
+
+def encode_tokens(x, seed, bits: int, block: int, group: int, lfc_dtype: torch.dtype):
+    """Tokens ``(s * group, C)`` float32 -> ``(codes, lfc, lo, scale)``.
+
+    ``lfc``: ``(s * group / block, C)`` block means in ``lfc_dtype`` (None when ``block <= 1``);
+    ``lo``, ``scale``: ``(s, C)`` bf16, one pair per group of ``group`` tokens of one channel;
+    ``codes``: the HFC's ``bits``-bit codes in token-major order, packed. ``seed``: 0-d int64 (the
+    stream's seed plus the index of ``x``'s first element; None: round to nearest).
+
+    A group lies inside one channel, so each channel's range sets only its own groups (the
+    outlier channels of transformer residual streams cost the others nothing), and it spans whole
+    LFC blocks, so the kernel needs no index arithmetic beyond broadcasting: one fused, vectorized
+    pass over a cache-sized chunk (``group`` must be a multiple of ``block``).
     """
-    m, t, c = x3.shape
-    nb = -(-t // block_size)
-    pad = nb * block_size - t
-    if pad:
-        x3 = torch.nn.functional.pad(x3, (0, 0, 0, pad))
-    x4 = x3.view(m, nb, block_size, c)
-    sums = x4.sum(dim=2)
-    if pad:
-        counts = torch.full((nb, 1), float(block_size), device=x3.device)
-        counts[-1] = block_size - pad
-        lfc = (sums / counts).to(lfc_dtype)
+    n, c = x.shape
+    s = n // group
+    if block > 1:
+        x4 = x.view(s, group // block, block, c)
+        lfc, lf = _round_lfc(x4.sum(2) * (1.0 / block), lfc_dtype)
+        h = (x4 - lf.unsqueeze(2)).view(s, group, c)
     else:
-        lfc = (sums * (1.0 / block_size)).to(lfc_dtype)
-    lfc32 = lfc.to(torch.float32).unsqueeze(2)
-    hfc = x4 - lfc32 if inv_scale is None else torch.addcmul(-(lfc32 * inv_scale), x4, inv_scale)
-    if pad:  # padded tokens must not widen the group ranges
-        hfc[:, -1, block_size - pad :, :] = 0
-    return lfc, hfc.view(m, nb * block_size, c)
+        lfc, h = None, x.view(s, group, c)
+    levels = (1 << bits) - 1
+    lo = _bf16_directed(h.amin(1), down=True)  # every value of the group lies in [lo, lo + levels * scale]
+    scale = _bf16_directed((h.amax(1) - lo) * (1.0 / levels), down=False)
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    if seed is None:
+        noise = 0.5
+    else:
+        noise = hash_uniform(torch.arange(n * c, dtype=torch.int64, device=x.device).view(s, group, c), seed)
+    # y >= 0 by construction, so the truncating cast is the floor; clamp guards the top code
+    q = ((h - lo.unsqueeze(1)) * inv.unsqueeze(1) + noise).clamp_(0, levels).to(torch.uint8).view(-1)
+    per = 8 // bits
+    if q.numel() % per:
+        q = torch.nn.functional.pad(q, (0, -q.numel() % per))
+    return pack_bits(q, bits), None if lfc is None else lfc.view(-1, c), lo.to(_SCALE_DTYPE), scale.to(_SCALE_DTYPE)
+
+
+def decode_tokens(codes, lfc, lo, scale, bits: int, block: int, group: int):
+    """Inverse of :func:`encode_tokens` up to rounding: ``(s * group, C)`` float32.
+    ``lfc`` (or None), ``lo``, ``scale``: float32, shaped as ``encode_tokens`` returns them."""
+    s, c = lo.shape
+    per = 8 // bits
+    if bits == 8:
+        q = codes.view(s, group, c)
+    elif c % per == 0:  # unpack along the channel axis: no index arithmetic in the kernel
+        shifts = torch.arange(0, 8, bits, device=codes.device, dtype=torch.uint8)
+        q = ((codes.view(s, group, c // per).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).view(s, group, c)
+    else:
+        q = unpack_bits(codes, bits)[: s * group * c].view(s, group, c)
+    if lfc is None:
+        return torch.addcmul(lo.unsqueeze(1), q.float(), scale.unsqueeze(1)).view(-1, c)
+    nb = group // block
+    base = lo.view(s, 1, 1, c) + lfc.view(s, nb, 1, c)
+    return torch.addcmul(base, q.view(s, nb, block, c).float(), scale.view(s, 1, 1, c)).view(-1, c)
 
 
 def quantize_groups(flat: torch.Tensor, seed: torch.Tensor | None, bits: int, group_size: int):
@@ -258,10 +321,58 @@ def _compiled(kernel, variant: tuple):
     chunk sizes x rounding modes exceed that (decoders use 4 and 8 bits, auto-precision 2, 4, 8)."""
     code = kernel.__code__.replace(co_name=f"{kernel.__name__}_v{next(_variant_ids)}")
     fn = types.FunctionType(code, kernel.__globals__, code.co_name, kernel.__defaults__, kernel.__closure__)
-    return torch.compile(fn, dynamic=False)
+    # emulated casts: the LFC must be rounded to its dtype before the HFC is taken from it
+    return torch.compile(fn, dynamic=False, options={"emulate_precision_casts": True})
 
 
 _variant_ids = itertools.count()
+
+#: elements per compiled call of the token kernels: a chunk stays in cache across the kernel's
+#: passes (block sums, group ranges, codes); chunks 4x smaller take what is left, then one eager call
+_TOKEN_CHUNK = 1 << 20
+
+
+def _token_chunks(n_groups: int, c: int, group: int):
+    """``(first group, groups)`` pieces covering ``n_groups``: compiled sizes, largest first, then
+    an eager remainder (``groups`` negative)."""
+    size = 1 << max(0, (_TOKEN_CHUNK // (group * c)).bit_length() - 1)
+    start = 0
+    while size >= 1 and _fused["enabled"]:
+        while n_groups - start >= size:
+            yield start, size
+            start += size
+        if size == 1:
+            break
+        size = max(1, size // 4)
+    if start < n_groups:
+        yield start, -(n_groups - start)
+
+
+def _run_tokens(kernel, static: tuple, pieces, args_of) -> None:
+    """``kernel(*args_of(start, groups), *static)`` for each ``(start, groups)`` piece: compiled
+    for the positive sizes, eager for the remainder. The kernels write into output slices that
+    ``args_of`` passes (one compiled graph serves every offset), so no concatenation follows."""
+    for start, groups in pieces:
+        args = args_of(start, abs(groups))
+        if groups > 0 and _fused["enabled"]:
+            shapes = tuple(None if a is None else tuple(a.shape) for a in args)
+            try:
+                _compiled(kernel, (static, shapes))(*args, *static)
+                continue
+            except Exception as err:  # no C++ compiler, unsupported device, ...: stay correct, go eager
+                warnings.warn(f"hf-division: torch.compile of {kernel.__name__} failed ({err!r}); using eager kernels")
+                set_fused(False)
+        kernel(*args, *static)
+
+
+def _encode_into(codes, lfc, lo, scale, x, seed, bits: int, block: int, group: int, lfc_dtype: torch.dtype):
+    for out, value in zip((codes, lfc, lo, scale), encode_tokens(x, seed, bits, block, group, lfc_dtype)):
+        if out is not None:
+            out.copy_(value)
+
+
+def _decode_into(out, codes, lfc, lo, scale, bits: int, block: int, group: int):
+    out.copy_(decode_tokens(codes, lfc, lo, scale, bits, block, group))
 
 
 def _run_groups(kernel, n_groups: int, args: tuple, per_group: tuple, static: tuple):
@@ -301,19 +412,6 @@ def _round_to(v: torch.Tensor, down: bool) -> torch.Tensor:
 
 
 _FP16_MAX = torch.finfo(torch.float16).max
-_MIN_CSCALE = 2.0**-100
-
-
-def _lfc_rounding(lfc_dtype: torch.dtype, block_size: int) -> float:
-    """Bound of an LFC row's error relative to its block's max |x|: storing it in ``lfc_dtype``
-    (half an ulp, bounded by ``eps``) plus the float32 sum of ``block_size`` values."""
-    return torch.finfo(lfc_dtype).eps + block_size * torch.finfo(torch.float32).eps
-
-
-def _lfc_underflow(lfc_dtype: torch.dtype) -> float:
-    """Absolute error of an LFC value below the dtype's normal range (the subnormal spacing)."""
-    f = torch.finfo(lfc_dtype)
-    return f.smallest_normal * f.eps
 
 
 def compress(
@@ -324,97 +422,133 @@ def compress(
     lfc_dtype: torch.dtype = torch.bfloat16,
     token_dim: int | None = -2,
     stochastic: bool = True,
-    channel_scale: bool = True,
     generator: torch.Generator | None = None,
     outlier_ratio: float = 0.0,
+    grouping: str = "tokens",
 ) -> Packed:
     """Compress ``x`` (any float dtype, any layout) into a :class:`Packed`.
 
-    ``token_dim``: the token axis (``-2`` for ``(..., T, C)``); ``None`` or ``block_size <= 1``
-    disables the LFC. ``bits``: 1, 2, 4 or 8 bits per HFC element, or 0 to keep ``x`` as it is.
-    ``channel_scale``: divide each HFC channel by a bound of its magnitude before grouping, so that a
-    few outlier channels (common in transformer residual streams) do not set every group's range.
+    ``token_dim``: the token axis (``-2`` for ``(..., T, C)``); ``None`` means none (flat groups,
+    no LFC), as does ``grouping="flat"`` (ActNN's groups of consecutive elements in memory order).
+    ``block_size <= 1`` disables the LFC. ``bits``: 1, 2, 4 or 8 bits per HFC element, or 0 to
+    keep ``x`` as it is. With token groups, ``group_size`` tokens of one channel share a min/scale
+    pair; it is rounded down to a multiple of ``block_size`` (at least one block).
     ``outlier_ratio``: if > 0, tokens whose max |x| exceeds this many times the median token's are
     stored exact and left out of the LFC and HFC (:func:`outlier_tokens`); needs ``token_dim``.
     """
     shape, dtype = x.shape, x.dtype
     if bits == 0:
-        return Packed(x, None, None, None, None, shape, dtype, None, 0, block_size, group_size)
+        return Packed(x, None, None, None, shape, dtype, None, 0, block_size, group_size)
     if bits not in (1, 2, 4, 8):
         raise ValueError(f"bits must be 0, 1, 2, 4 or 8, got {bits}")
-    layout = None
+    if grouping not in ("tokens", "flat"):
+        raise ValueError(f"grouping must be 'tokens' or 'flat', got {grouping!r}")
     if token_dim is not None and x.dim() >= 2:
         x3, layout = _to_tokens(x, token_dim % x.dim())
     else:
-        token_dim, x3 = None, x.reshape(1, -1, 1).float()
-    use_lfc = token_dim is not None and block_size > 1
+        x3, layout = x.reshape(1, -1, 1).float(), None
     rows = row_index = None
-    if outlier_ratio > 0 and token_dim is not None and x3.shape[2] > 1:
+    if outlier_ratio > 0 and layout is not None and x3.shape[2] > 1:
         row_index = outlier_tokens(x3, outlier_ratio)
         if row_index is not None:
             flat_rows = x3.reshape(-1, x3.shape[2])
             rows = flat_rows[row_index].to(dtype)
             x3 = flat_rows.index_fill(0, row_index, 0.0).view(x3.shape)  # a copy: x3 may view x
-    cscale = inv = None
-    if use_lfc and lfc_dtype == torch.float16 and x3.abs().amax() > _FP16_MAX:
+    seed = noise_seed(x.device, generator) if stochastic else None
+    if layout is None or grouping == "flat":
+        flat = x3.reshape(-1)
+        n = flat.numel()
+        if n % group_size:
+            flat = torch.nn.functional.pad(flat, (0, -n % group_size))
+        packed, lo, scale = quantize_groups(flat, seed, bits, group_size)
+        return Packed(packed, lo, scale, None, shape, dtype, layout, bits, 1, group_size, rows, row_index, "flat")
+    block = max(1, block_size)
+    if block > 1 and lfc_dtype == torch.float16 and x3.abs().amax() > _FP16_MAX:
         lfc_dtype = torch.float32  # block means beyond fp16's range would store inf: widen this LFC
-    if channel_scale and token_dim is not None:
-        # a bound of each channel's |HFC| known before the split, so the scaling joins the split's
-        # pass: with an LFC, the channel's range (an LFC row is a mean of its block) plus the LFC's
-        # own rounding, which dominates a near-constant channel (a fp16 LFC flushing a tiny mean to
-        # 0 made such a channel's HFC 1e24 times its range and swamped every group it shared);
-        # without an LFC, max |x|
-        hi, lo = x3.amax(dim=(0, 1)), x3.amin(dim=(0, 1))
-        mag = torch.maximum(hi, lo.neg())
-        cscale = (hi - lo) + (mag * _lfc_rounding(lfc_dtype, block_size) + _lfc_underflow(lfc_dtype)) if use_lfc else mag
-        # a channel of (near) zeros: no scaling, and 1 / cscale stays finite
-        cscale = torch.where(cscale > _MIN_CSCALE, cscale, torch.ones_like(cscale))
-        inv = 1.0 / cscale
-    lfc = None
-    if use_lfc:
-        lfc, x3 = _split(x3, block_size, lfc_dtype, inv)
-    elif inv is not None:
-        x3 = x3 * inv
-    flat = x3.reshape(-1)
-    n = flat.numel()
-    padded = -(-n // group_size) * group_size
-    if padded != n:
-        flat = torch.nn.functional.pad(flat, (0, padded - n))
-    seed = noise_seed(flat.device, generator) if stochastic else None
-    packed, lo, scale = quantize_groups(flat, seed, bits, group_size)
-    return Packed(packed, lo, scale, lfc, cscale, shape, dtype, layout, bits, block_size, group_size, rows, row_index)
+    m, t, c = x3.shape
+    pad = -t % block
+    if pad:  # repeat the last token: the padded block's mean moves, but no group range widens
+        x3 = torch.cat([x3, x3[:, -1:].expand(m, pad, c)], dim=1)
+    tokens = x3.reshape(-1, c)
+    group = _token_group(group_size, block, bits)
+    n_full, rest = divmod(tokens.shape[0], group)
+    n_groups = n_full + (rest > 0)
+    code_bytes = group * c * bits // 8
+    codes = torch.empty(n_full * code_bytes + -(-rest * c * bits // 8), dtype=torch.uint8, device=x.device)
+    lo = torch.empty(n_groups, c, dtype=_SCALE_DTYPE, device=x.device)
+    scale = torch.empty_like(lo)
+    lfc = torch.empty(tokens.shape[0] // block, c, dtype=lfc_dtype, device=x.device) if block > 1 else None
+
+    def args_of(start, groups):
+        stop = start + groups
+        return (codes[start * code_bytes : stop * code_bytes], None if lfc is None else lfc[start * group // block : stop * group // block],
+                lo[start:stop], scale[start:stop], tokens[start * group : stop * group],
+                None if seed is None else seed + start * group * c)
+
+    _run_tokens(_encode_into, (bits, block, group, lfc_dtype), _token_chunks(n_full, c, group), args_of)
+    if rest:  # a last, partial group: its own length
+        _encode_into(*args_of(n_full, 1), bits, block, rest, lfc_dtype)
+    return Packed(codes, lo, scale, lfc, shape, dtype, layout, bits, block, group, rows, row_index, "tokens")
+
+
+def _token_group(group_size: int, block: int, bits: int) -> int:
+    """Tokens per group: ``group_size`` rounded down to whole LFC blocks (at least one), then up
+    to a multiple of ``8 / bits`` so that every group's codes fill whole bytes."""
+    group = max(block, group_size // block * block)
+    while group * bits % 8:
+        group += block
+    return group
 
 
 def decompress(p: Packed) -> torch.Tensor:
     """Rebuild a tensor of ``p.shape`` and ``p.dtype`` (with the input's memory layout)."""
     if p.bits == 0:
         return p.packed
-    per_code = p.group_size * p.bits // 8
-    (flat,) = _run_groups(_dequantize_tuple, p.lo.numel(), (p.packed, p.lo, p.scale), (per_code, 1, 1), (p.bits, p.group_size))
-    if p.layout is None:
-        return _cast(flat[: math.prod(p.shape)].view(p.shape), p.dtype)
-    perm, mem_shape, tdim = p.layout
-    m, t, c = math.prod(mem_shape[:tdim]), mem_shape[tdim], math.prod(mem_shape[tdim + 1 :])
-    tp = p.lfc.shape[1] * p.block_size if p.lfc is not None else t
-    x = flat[: m * tp * c].view(m, tp, c)
-    if p.lfc is not None:
-        nb = p.lfc.shape[1]
-        lfc = p.lfc.to(x.dtype).unsqueeze(2)
-        x4 = x.view(m, nb, p.block_size, c)
-        # one pass: LFC + HFC * cscale
-        x4 = torch.addcmul(lfc, x4, p.cscale) if p.cscale is not None else x4.add_(lfc)
-        x = x4.view(m, tp, c)
-        if tp != t:
-            x = x[:, :t].contiguous()
-    elif p.cscale is not None:
-        x = x.mul_(p.cscale)
+    if p.grouping == "flat":
+        per_code = p.group_size * p.bits // 8
+        (flat,) = _run_groups(_dequantize_tuple, p.lo.numel(), (p.packed, p.lo, p.scale), (per_code, 1, 1),
+                              (p.bits, p.group_size))
+        if p.layout is None:
+            return _cast(flat[: math.prod(p.shape)].view(p.shape), p.dtype)
+        perm, mem_shape, tdim = p.layout
+        x = flat[: math.prod(mem_shape)].view(-1, _channels(mem_shape, tdim))
+    else:
+        perm, mem_shape, tdim = p.layout
+        x = _decode_tokens(p, mem_shape, tdim)
     if p.rows is not None:
-        x.view(-1, c).index_copy_(0, p.row_index, p.rows.to(x.dtype))
+        x.view(-1, x.shape[-1]).index_copy_(0, p.row_index, p.rows.to(x.dtype))
     x = _cast(x, p.dtype).reshape(mem_shape)
     inverse = [0] * len(perm)
     for i, d in enumerate(perm):
         inverse[d] = i
     return x.permute(inverse)
+
+
+def _channels(mem_shape, tdim: int) -> int:
+    return 1 if tdim == len(mem_shape) - 1 else math.prod(mem_shape[tdim + 1 :])
+
+
+def _decode_tokens(p: Packed, mem_shape, tdim: int) -> torch.Tensor:
+    """Token-grouped ``p`` -> float32 ``(M, T, C)`` in memory order."""
+    m, t, c = math.prod(mem_shape[:tdim]), mem_shape[tdim], _channels(mem_shape, tdim)
+    block, group = p.block_size, p.group_size
+    tp = -(-t // block) * block
+    n_full, rest = divmod(m * tp, group)
+    lo, scale = p.lo.float(), p.scale.float()
+    lfc = p.lfc.float() if p.lfc is not None else None
+    code_bytes = group * c * p.bits // 8
+    out = torch.empty(m * tp, c, dtype=torch.float32, device=p.packed.device)
+
+    def args_of(start, groups):
+        stop = start + groups
+        return (out[start * group : stop * group], p.packed[start * code_bytes : stop * code_bytes],
+                None if lfc is None else lfc[start * group // block : stop * group // block], lo[start:stop], scale[start:stop])
+
+    _run_tokens(_decode_into, (p.bits, block, group), _token_chunks(n_full, c, group), args_of)
+    if rest:
+        _decode_into(*args_of(n_full, 1), p.bits, block, rest)
+    x = out.view(m, tp, c)
+    return x[:, :t].contiguous() if tp != t else x
 
 
 def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -67,9 +67,8 @@ class DivisionConfig:
     method: str = "division"  # "division" (LFC + HFC) or "actnn" (per-group 2-bit, no LFC)
     block_size: int = 16  # tokens averaged into one LFC row
     lfc_dtype: str = "bfloat16"
-    group_size: int = 256  # HFC elements sharing one min/scale pair
+    group_size: int = 256  # HFC elements sharing one min/scale pair (division: tokens of one channel)
     rounding: str = "stochastic"
-    channel_scale: bool = True  # normalize HFC channels before grouping (outlier channels)
     linear_bits: int | None = None
     attention_bits: int | None = None
     activation_bits: int | None = None

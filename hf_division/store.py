@@ -241,9 +241,9 @@ def pack(t: torch.Tensor, kind: str, config: DivisionConfig) -> compressor.Packe
         lfc_dtype=config.torch_lfc_dtype,
         token_dim=-2 if t.dim() >= 2 else None,
         stochastic=config.rounding == "stochastic",
-        channel_scale=config.channel_scale and config.method == "division",
         generator=noise_generator(t.device),
         outlier_ratio=config.effective_outlier_ratio,
+        grouping="flat" if config.method == "actnn" else "tokens",
     )
 
 

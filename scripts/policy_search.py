@@ -21,7 +21,6 @@ CANDIDATES = {
     "norm 8b": {**OFF, "norm_bits": 8},
     "dropout bits": {**OFF, "dropout_bits": True},
     # grouping / LFC variants on the hardest kind at 2 bits
-    "linear 2b no-channel-scale": {**OFF, "linear_bits": 2, "channel_scale": False},
     "linear 2b group 64": {**OFF, "linear_bits": 2, "group_size": 64},
     "linear 2b block 4": {**OFF, "linear_bits": 2, "block_size": 4},
     "linear 2b block 16": {**OFF, "linear_bits": 2, "block_size": 16},

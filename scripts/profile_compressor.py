@@ -1,10 +1,12 @@
 """Where compression time goes on this machine: the numbers quoted in docs/DESIGN.md.
 
-python scripts/profile_compressor.py [--numel 6291456] [--threads 2]
+python scripts/profile_compressor.py [--threads 2]
 
-Times (median of 7) for a (32, 128, 1536) float32 tensor: compress/decompress eager and fused
-(chunked torch.compile), the compressor core compiled in one call with static and dynamic shapes,
-and the random sources: torch.rand_like, our 16-bit noise, and bernoulli_ (dropout's draw).
+Times (median of 7) for a (32, 128, 1536) float32 tensor: compress/decompress with DIVISION's
+token groups (4 bits, LFC over 16 tokens) and ActNN's flat groups (2 bits), eager and fused
+(torch.compile over cache-sized chunks); the token kernel compiled whole in one call with static
+and dynamic shapes (why chunks); and the random sources: torch.rand_like, our 16-bit noise, and
+bernoulli_ (dropout's draw).
 """
 import argparse
 import statistics
@@ -13,7 +15,7 @@ import time
 import torch
 
 from hf_division import compressor
-from hf_division.compressor import _split, compress, decompress, noise_words, quantize_groups, uniform
+from hf_division.compressor import compress, decompress, encode_tokens, noise_words, uniform
 
 
 def timeit(fn, k=7):
@@ -26,11 +28,6 @@ def timeit(fn, k=7):
     return statistics.median(ts)
 
 
-def core(x3, words):
-    lfc, h = _split(x3, 16, torch.bfloat16)
-    return quantize_groups(h.reshape(-1), words, 4, 256), lfc
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -38,33 +35,33 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     x = torch.randn(32, 128, 1536)
     n = x.numel()
-    p = compress(x)
-    noise = noise_words(n, x.device)
     rows = {}
-    for fused in (False, True):
-        compressor.set_fused(fused)
-        compress(x), decompress(p)  # warm-up (compiles the chunk kernels when fused)
-        rows[f"compress (default config, fused={fused})"] = timeit(lambda: compress(x))
-        rows[f"decompress (fused={fused})"] = timeit(lambda: decompress(p))
-    compressor.set_fused(False)  # below: the whole core as one function, eager or compiled whole
-    rows["core: split + quantize, one call (eager)"] = timeit(lambda: core(x, noise))
+    for name, kw in (("division, tokens", dict(bits=4, block_size=16)), ("actnn, flat", dict(bits=2, grouping="flat"))):
+        p = compress(x, **kw)
+        for fused in (False, True):
+            compressor.set_fused(fused)
+            compress(x, **kw), decompress(p)  # warm-up (compiles the chunk kernels when fused)
+            rows[f"compress ({name}, fused={fused})"] = timeit(lambda: compress(x, **kw))
+            rows[f"decompress ({name}, fused={fused})"] = timeit(lambda: decompress(p))
+    seed = torch.tensor(12345)
+    tokens = x.view(-1, 1536)
     for dynamic in (False, True):
-        compiled = torch.compile(core, dynamic=dynamic)
+        compiled = torch.compile(encode_tokens, dynamic=dynamic)
         t0 = time.perf_counter()
-        compiled(x, noise)
+        compiled(tokens, seed, 4, 16, 256, torch.bfloat16)
         rows[f"  (torch.compile dynamic={dynamic} warm-up, s)"] = time.perf_counter() - t0
-        rows[f"core: split + quantize, one call (compile, dynamic={dynamic})"] = timeit(lambda: compiled(x, noise))
+        rows[f"encode_tokens, whole tensor (dynamic={dynamic})"] = timeit(lambda: compiled(tokens, seed, 4, 16, 256, torch.bfloat16))
     compressor.set_fused(True)
     rows["torch.rand_like"] = timeit(lambda: torch.rand_like(x))
     rows["noise_words + uniform (16-bit)"] = timeit(lambda: uniform(noise_words(n, x.device)))
     rows["bernoulli_ (dropout draw)"] = timeit(lambda: torch.empty_like(x).bernoulli_(0.9))
     print(f"tensor (32, 128, 1536) float32 = {n / 1e6:.1f} M elements, {args.threads} threads")
-    print(f"{'what':<42} {'ms':>8} {'ns/element':>11}")
+    print(f"{'what':<46} {'ms':>8} {'ns/element':>11}")
     for k, v in rows.items():
         if k.startswith("  "):
-            print(f"{k:<42} {v:>8.1f}")
+            print(f"{k:<46} {v:>8.1f}")
         else:
-            print(f"{k:<42} {v * 1e3:>8.1f} {v * 1e9 / n:>11.2f}")
+            print(f"{k:<46} {v * 1e3:>8.1f} {v * 1e9 / n:>11.2f}")
 
 
 if __name__ == "__main__":

@@ -15,26 +15,45 @@ def test_pack_roundtrip(bits):
     assert torch.equal(unpack_bits(p, bits), q)
 
 
+def _step_of_each_element(p, x):
+    """The quantization step of the group of each element of ``x`` (contiguous ``(M, T, C)``)."""
+    if p.grouping == "flat":
+        return p.scale.float().repeat_interleave(p.group_size)[: x.numel()].view_as(x)
+    m, t, c = x.shape
+    tp = -(-t // p.block_size) * p.block_size
+    per_token = p.scale.float().repeat_interleave(p.group_size, dim=0)[: m * tp]
+    return per_token.view(m, tp, c)[:, :t]
+
+
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
-@pytest.mark.parametrize("channel_scale", [True, False])
-def test_error_bound(bits, channel_scale):
-    x = torch.randn(3, 40, 96) * torch.linspace(0.1, 20, 96)  # outlier channels
-    p = compress(x, bits=bits, group_size=64, channel_scale=channel_scale)
+@pytest.mark.parametrize("grouping", ["tokens", "flat"])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_error_within_one_step_of_each_group(bits, grouping, block_size):
+    x = torch.randn(3, 40, 96) * torch.linspace(0.1, 20, 96)  # outlier channels; 40 tokens: a partial block
+    p = compress(x, bits=bits, group_size=64, block_size=block_size, grouping=grouping)
+    assert p.grouping == grouping and (p.lfc is not None) == (grouping == "tokens" and block_size > 1)
     err = (decompress(p) - x).abs()
-    # bound: one step of the group, scaled back by the channel scale, plus fp32 rounding
-    cs = p.cscale if p.cscale is not None else torch.ones(96)
-    step = p.scale.float().max() * cs.max()
-    assert err.max() <= step * 1.001 + 1e-5
-    # the mean error shrinks with bits (halving per bit at least roughly)
-    assert err.mean() < step
+    step = _step_of_each_element(p, x)
+    assert (err <= step * 1.0001 + 1e-5).all()
+    assert err.mean() < step.mean()
+
+
+def test_token_groups_keep_each_channel_to_its_own_range():
+    # the point of grouping tokens within a channel: a channel 200x larger than another does
+    # not set the other's quantization step (flat groups of consecutive elements mix them)
+    x = torch.randn(4, 256, 96) * torch.linspace(0.1, 20, 96)
+    err = {g: (decompress(compress(x, bits=4, block_size=16, grouping=g)) - x).abs() for g in ("tokens", "flat")}
+    small = x[..., 0].abs().mean()
+    assert err["tokens"][..., 0].mean() < 0.25 * small  # 4 bits over the channel's own range
+    assert err["flat"][..., 0].mean() > small  # swamped by the large channels
 
 
 @pytest.mark.parametrize("bits", [2, 4])
-def test_nearest_error_is_half_step(bits):
-    x = torch.randn(2, 16, 64)
-    p = compress(x, bits=bits, group_size=64, stochastic=False, channel_scale=False, block_size=1)
-    step = p.scale.float().repeat_interleave(64)[: x.numel()].view_as(x)
-    assert ((decompress(p) - x).abs() <= step * 0.5 + 1e-6).all()
+@pytest.mark.parametrize("grouping", ["tokens", "flat"])
+def test_nearest_error_is_half_step(bits, grouping):
+    x = torch.randn(2, 160, 64)
+    p = compress(x, bits=bits, group_size=64, stochastic=False, block_size=1, grouping=grouping)
+    assert ((decompress(p) - x).abs() <= _step_of_each_element(p, x) * 0.5 + 1e-6).all()
 
 
 def test_stochastic_rounding_is_unbiased():
@@ -49,7 +68,7 @@ def test_stochastic_rounding_is_unbiased():
         p = compress(x, bits=2, group_size=64, generator=g)
         acc += decompress(p)
     mean_err = acc / K - x
-    step = p.scale.float().max() * p.cscale.max()
+    step = p.scale.float().max()
     # per-element standard error <= step / 2 / sqrt(K); test the average over all elements
     se = step / 2 / math.sqrt(K) / math.sqrt(x.numel())
     assert mean_err.mean().abs() < 4 * se
@@ -97,16 +116,20 @@ def test_non_contiguous_and_token_dim():
     assert (decompress(p) - x).abs().max() < 0.05
 
 
-def test_exact_bytes():
-    x = torch.randn(4, 100, 96)  # 100 tokens: partial last block
+@pytest.mark.parametrize("grouping", ["tokens", "flat"])
+def test_exact_bytes(grouping):
+    x = torch.randn(4, 100, 96)  # 100 tokens: a partial last block, and a partial last group
     bits, g, b = 2, 256, 8
-    p = compress(x, bits=bits, group_size=g, block_size=b)
-    nblocks = math.ceil(100 / b)
-    hfc_elems = 4 * nblocks * b * 96
-    groups = math.ceil(hfc_elems / g)
-    expect = groups * g * bits // 8 + groups * 2 * 2 + 4 * nblocks * 96 * 2 + 96 * 4
+    p = compress(x, bits=bits, group_size=g, block_size=b, grouping=grouping)
+    if grouping == "tokens":
+        tokens = 4 * math.ceil(100 / b) * b
+        groups = math.ceil(tokens / g)
+        expect = math.ceil(tokens * 96 * bits / 8) + groups * 96 * 2 * 2 + tokens // b * 96 * 2
+        assert p.nbytes < x.numel() * 4 / 7  # 2-bit HFC + bf16 LFC per 8 tokens ~ 4.1 bits
+    else:
+        groups = math.ceil(x.numel() / g)
+        expect = groups * g * bits // 8 + groups * 2 * 2
     assert p.nbytes == expect
-    assert p.nbytes < x.numel() * 4 / 7  # 2-bit HFC + bf16 LFC per 8 tokens ~ 4.1 bits
 
 
 def test_nonfinite_propagates():
@@ -119,24 +142,39 @@ def test_nonfinite_propagates():
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 @pytest.mark.parametrize("stochastic", [True, False])
-def test_fused_matches_eager(bits, stochastic):
-    # 4096 + 256 + 3 groups of 256: both compiled chunk sizes and the eager remainder
-    x = torch.randn(1, (4096 + 256 + 3) * 256 // 64, 64)
+@pytest.mark.parametrize("grouping", ["tokens", "flat"])
+def test_fused_matches_eager(bits, stochastic, grouping):
+    # flat: 4096 + 256 + 3 groups of 256; tokens (64 channels): 64 + 16 + 1 groups of 256 tokens
+    # and a partial one: every compiled chunk size, the eager remainder and the partial group
+    tokens = (4096 + 256 + 3) * 4 if grouping == "flat" else (64 + 16 + 1) * 256 + 48
+    x = torch.randn(1, tokens, 64)
     out = {}
     for fused in (True, False):
         compressor.set_fused(fused)
         try:
-            p = compress(x, bits=bits, block_size=1, channel_scale=False, stochastic=stochastic,
+            p = compress(x, bits=bits, block_size=16, stochastic=stochastic, grouping=grouping,
                          generator=torch.Generator().manual_seed(0))
             out[fused] = (p, decompress(p))
         finally:
             compressor.set_fused(True)
     (pf, yf), (pe, ye) = out[True], out[False]
     assert torch.equal(pf.lo, pe.lo) and torch.equal(pf.scale, pe.scale)
+    if pf.lfc is not None:
+        assert torch.equal(pf.lfc, pe.lfc)
     codes_f, codes_e = unpack_bits(pf.packed, bits), unpack_bits(pe.packed, bits)
     # compiled code may fuse a multiply-add differently: at most a last-bit tie changes a code
     assert (codes_f != codes_e).float().mean() < 1e-4
     assert torch.allclose(yf, ye, atol=pf.scale.float().max().item() * 1.0001)
+
+
+def test_compiled_token_kernels_do_not_grow_with_tensor_size():
+    # kernels are compiled per chunk size, not per tensor: a tensor of another length reuses them
+    compress_and_back = lambda x: decompress(compress(x, bits=4, block_size=16))  # noqa: E731
+    compress_and_back(torch.randn(8, 128, 64))  # 4 groups of 256 tokens
+    before = compressor._compiled.cache_info().currsize
+    y = compress_and_back(x := torch.randn(12, 96, 64))  # 4 groups and a partial one
+    assert compressor._compiled.cache_info().currsize == before
+    assert (y - x).abs().max() < 1
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 13, 4096 + 3])

@@ -26,9 +26,9 @@ sys.path.insert(0, os.path.join(ROOT, "scripts"))
 #: max |loss difference| per step, 2 processes vs 1, with division: about 3x the largest measured over
 #: seeds 0-4 by ``python tests/test_distributed.py measure`` (docs/SCALE.md). Step 1 runs before any
 #: update (float rounding only); later steps carry the different rounding noise of the two runs.
-LOOP_TOL = [1e-6, 1e-4, 6e-4]  # measured 6.0e-08 1.6e-05 1.8e-04 (without division 6.0e-08 9.4e-06 1.6e-05)
-GLUE_TOL = [1e-6, 4e-4]  # measured 1.2e-07 1.1e-04 (without division 1.2e-07 6.0e-08)
-FSDP_TOL = [1e-6, 1e-3, 4e-3]  # measured FSDP2 6.0e-08 3.4e-04 6.4e-04, FSDP1 6.0e-08 3.5e-04 1.3e-03
+LOOP_TOL = [1e-6, 2.5e-3, 3e-3]  # measured 6.0e-08 7.6e-04 1.0e-03 (without division 6.0e-08 9.4e-06 1.6e-05)
+GLUE_TOL = [1e-6, 1.5e-3]  # measured 1.2e-07 4.7e-04 (without division 1.2e-07 6.0e-08)
+FSDP_TOL = [1e-6, 2e-3, 4e-3]  # measured FSDP2 6.0e-08 6.9e-04 7.8e-04, FSDP1 6.0e-08 4.2e-04 5.8e-04
 #                                 (without division both 6.0e-08 0 6.0e-08)
 
 
@@ -45,8 +45,17 @@ def _env():
     return env
 
 
-def _run(cmd, timeout=240):
-    proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def _run(cmd, timeout=240, attempts=3):
+    """Run a launcher; relaunch when a worker died of SIGABRT before doing anything.
+
+    Why: under pytest (never in 12 direct launches of the same command), a worker sometimes
+    aborts right after loading the model with "terminate called without an active exception" and
+    no Python frame (PYTHONFAULTHANDLER); it happened on the commit before the current compressor
+    too (2 of 5 runs of test_fsdp_two_processes). Any other failure fails at once."""
+    for _ in range(attempts):
+        proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode == 0 or "terminate called without an active exception" not in proc.stderr:
+            break
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

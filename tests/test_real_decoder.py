@@ -45,10 +45,11 @@ def test_real_decoder_gradient_cosine_and_bytes(smollm2):
 
 def test_massive_activation_tokens_kept_exact(smollm2):
     """Linear inputs alone at 4 bits: SmolLM2's first token carries values orders of magnitude above the rest in
-    two channels of a down_proj input; quantized with the rest, that layer's weight gradient was
-    noise (docs/ARCHITECTURES.md)."""
+    two channels of a down_proj input. With flat groups that made the layer's weight gradient noise
+    (docs/ARCHITECTURES.md); token groups confine the damage to those channels' groups, and keeping
+    the token exact still removes what is left."""
     model, batch = smollm2
     only_linear = dict(attention_bits=0, activation_bits=0, norm_bits=0)
     kept = gradient_cosine(model, batch, hd.DivisionConfig(**only_linear), seeds=(0,))
     lost = gradient_cosine(model, batch, hd.DivisionConfig(outlier_ratio=0, **only_linear), seeds=(0,))
-    assert min(kept) >= 0.99 and max(lost) < 0.98, (kept, lost)
+    assert min(kept) >= 0.99 and max(lost) < min(kept) - 0.005, (kept, lost)
