@@ -355,7 +355,7 @@ def _run_tokens(kernel, static: tuple, pieces, args_of) -> None:
     for start, groups in pieces:
         args = args_of(start, abs(groups))
         if groups > 0 and _fused["enabled"]:
-            shapes = tuple(None if a is None else tuple(a.shape) for a in args)
+            shapes = tuple(None if a is None else (tuple(a.shape), a.dtype) for a in args)
             try:
                 _compiled(kernel, (static, shapes))(*args, *static)
                 continue
