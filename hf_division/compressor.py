@@ -181,9 +181,9 @@ def _bf16_directed(v: torch.Tensor, down: bool) -> torch.Tensor:
 def _round_lfc(v: torch.Tensor, dtype: torch.dtype):
     """float32 block means -> (stored in ``dtype``, the same values as float32).
 
-    bf16 rounds to nearest-even on the bits: inductor's CPU code for a bf16 cast was ~3x slower
-    than the rest of the kernel, and inside a fused kernel it may elide the round trip (compiled
-    with emulated casts for the other dtypes)."""
+    bf16 rounds to nearest-even on the bits: inductor's CPU code for a bf16 cast made the whole
+    kernel several times slower when we timed it, and inside a fused kernel inductor may elide
+    the round trip (the kernels are compiled with emulated casts for the other dtypes)."""
     if dtype == torch.float32:
         return v, v
     if dtype != torch.bfloat16:
