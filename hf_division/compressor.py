@@ -256,21 +256,19 @@ def quantize_groups(flat: torch.Tensor, seed: torch.Tensor | None, bits: int, gr
 
     ``seed``: 0-d int64 seed of the stochastic-rounding noise (:func:`noise_seed`; element ``i``
     gets ``hash_uniform(i, seed)``), or None for round-to-nearest.
-    ``lo`` is rounded down and ``scale`` up to the 16-bit dtype, so every value of the group lies
-    inside ``[lo, lo + levels * scale]`` and clamping never biases the rounding. The directed
-    rounding stays eager: inductor may fold a float32 -> bf16 -> float32 round trip away.
+    ``lo`` is rounded down and ``scale`` up to the 16-bit dtype (:func:`_bf16_directed`), so every
+    value of the group lies inside ``[lo, lo + levels * scale]`` and clamping never biases the rounding.
     """
     g = flat.view(-1, group_size)
     lo, hi = _run_groups(minmax_groups, g.shape[0], (flat,), (group_size,), (group_size,))
     levels = (1 << bits) - 1
-    lo16 = _round_to(lo, down=True)
-    scale16 = _round_to((hi - lo16.float()) * (1.0 / levels), down=False)
-    s32 = scale16.float()
+    lo32 = _bf16_directed(lo, down=True)
+    s32 = _bf16_directed((hi - lo32) * (1.0 / levels), down=False)
     inv = torch.where(s32 > 0, 1.0 / s32, torch.zeros_like(s32))
     base = None if seed is None else torch.arange(g.shape[0], dtype=torch.int64, device=flat.device) * group_size
-    (packed,) = _run_groups(encode_groups, g.shape[0], (flat, base, seed, lo16.float(), inv), (group_size, 1, None, 1, 1),
+    (packed,) = _run_groups(encode_groups, g.shape[0], (flat, base, seed, lo32, inv), (group_size, 1, None, 1, 1),
                             (bits, group_size))
-    return packed, lo16, scale16
+    return packed, lo32.to(_SCALE_DTYPE), s32.to(_SCALE_DTYPE)
 
 
 def minmax_groups(flat, group_size: int):
@@ -300,10 +298,11 @@ def dequantize_groups(packed: torch.Tensor, lo: torch.Tensor, scale: torch.Tenso
 
 
 # ----------------------------------------------------------------------------- fused execution
-# torch.compile fuses the elementwise group kernels into one loop each (several times faster than
-# eager on CPU: scripts/profile_compressor.py), but only with static shapes: dynamic-shape code was several times *slower* here. So the kernels run
-# compiled over fixed chunks of groups (two sizes), and eagerly on the small remainder.
-_CHUNKS = (4096, 1024, 256)  # groups per compiled call (each call costs ~50 us of guards: few calls)
+# torch.compile fuses each kernel into one loop nest (several times faster than eager on CPU:
+# scripts/profile_compressor.py), but only with static shapes: dynamic-shape code was many times
+# *slower* here. So the kernels run compiled over fixed-size chunks and eagerly on the remainder:
+# the flat (ActNN) path over _CHUNKS groups, the token path over _TOKEN_CHUNK-sized pieces.
+_CHUNKS = (4096, 1024, 256)  # groups per compiled call of the flat path (few calls: each pays its guards)
 _fused = {"enabled": True}
 
 
@@ -314,7 +313,8 @@ def set_fused(enabled: bool) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _compiled(kernel, variant: tuple):
-    """``kernel`` compiled for one ``variant`` (static arguments, chunk size, which inputs are None).
+    """``kernel`` compiled for one ``variant`` (static arguments and the chunk's shapes, or which
+    inputs are None).
 
     Each variant gets a copy of the function with a code object of its own: dynamo keeps at most
     ``recompile_limit`` (8) versions per code object and runs the rest eagerly, and bit widths x
@@ -400,15 +400,6 @@ def _run_groups(kernel, n_groups: int, args: tuple, per_group: tuple, static: tu
         sliced = [a if k is None or a is None else a[start * k :] for a, k in zip(args, per_group)]
         pieces.append(kernel(*sliced, *static))
     return tuple(torch.cat(parts) for parts in zip(*pieces))
-
-
-def _round_to(v: torch.Tensor, down: bool) -> torch.Tensor:
-    """float32 -> _SCALE_DTYPE, rounded toward -inf (``down``) or +inf."""
-    r = v.to(_SCALE_DTYPE)
-    rf = r.float()
-    bad = rf > v if down else rf < v
-    toward = torch.full_like(r, float("-inf") if down else float("inf"))
-    return torch.where(bad, torch.nextafter(r, toward), r)
 
 
 _FP16_MAX = torch.finfo(torch.float16).max
