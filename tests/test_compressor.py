@@ -3,8 +3,10 @@ import math
 import pytest
 import torch
 
-from hf_division import compressor
-from hf_division.compressor import compress, decompress, noise_words, pack_bits, uniform, unpack_bits
+from hf_division.compressor import compress, decompress, set_fused
+from hf_division.fused import compiled
+from hf_division.quant import (encode_groups, hash_uniform, noise_words, pack_bits, pack_mask, uniform, unpack_bits,
+                               unpack_mask)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
@@ -81,8 +83,6 @@ def test_stochastic_rounding_is_unbiased():
 
 @pytest.mark.parametrize("source", ["generator", "hash"])
 def test_rounding_noise_uniform(source):
-    from hf_division.compressor import hash_uniform
-
     n = 1 << 20
     if source == "generator":
         u = uniform(noise_words(n, torch.device("cpu"), torch.Generator().manual_seed(0)))
@@ -150,13 +150,13 @@ def test_fused_matches_eager(bits, stochastic, grouping):
     x = torch.randn(1, tokens, 64)
     out = {}
     for fused in (True, False):
-        compressor.set_fused(fused)
+        set_fused(fused)
         try:
             p = compress(x, bits=bits, block_size=16, stochastic=stochastic, grouping=grouping,
                          generator=torch.Generator().manual_seed(0))
             out[fused] = (p, decompress(p))
         finally:
-            compressor.set_fused(True)
+            set_fused(True)
     (pf, yf), (pe, ye) = out[True], out[False]
     assert torch.equal(pf.lo, pe.lo) and torch.equal(pf.scale, pe.scale)
     if pf.lfc is not None:
@@ -171,16 +171,14 @@ def test_compiled_token_kernels_do_not_grow_with_tensor_size():
     # kernels are compiled per chunk size, not per tensor: a tensor of another length reuses them
     compress_and_back = lambda x: decompress(compress(x, bits=4, block_size=16))  # noqa: E731
     compress_and_back(torch.randn(8, 128, 64))  # 4 groups of 256 tokens
-    before = compressor._compiled.cache_info().currsize
+    before = compiled.cache_info().currsize
     y = compress_and_back(x := torch.randn(12, 96, 64))  # 4 groups and a partial one
-    assert compressor._compiled.cache_info().currsize == before
+    assert compiled.cache_info().currsize == before
     assert (y - x).abs().max() < 1
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 13, 4096 + 3])
 def test_pack_mask_roundtrip_and_bit_order(n):
-    from hf_division.compressor import pack_bits, pack_mask, unpack_mask
-
     g = torch.Generator().manual_seed(n)
     mask = torch.rand(2 * n, generator=g) > 0.5
     view = mask[::2]  # non-contiguous input
@@ -232,9 +230,9 @@ def test_outlier_count_is_capped():
 def test_each_kernel_variant_compiles_on_its_own_code_object():
     """dynamo compiles at most 8 versions per code object and runs further ones eagerly (a silent
     slowdown once bit widths x chunk sizes x rounding modes exceed it): each variant gets its own."""
-    a = compressor._compiled(compressor.encode_groups, ((4, 256), 1024, (False,) * 5))
-    b = compressor._compiled(compressor.encode_groups, ((8, 256), 1024, (False,) * 5))
-    assert a is compressor._compiled(compressor.encode_groups, ((4, 256), 1024, (False,) * 5))
+    a = compiled(encode_groups, ((4, 256), 1024, (False,) * 5))
+    b = compiled(encode_groups, ((8, 256), 1024, (False,) * 5))
+    assert a is compiled(encode_groups, ((4, 256), 1024, (False,) * 5))
     code_a, code_b = (f._torchdynamo_orig_callable.__code__ for f in (a, b))
-    assert code_a is not code_b and code_a is not compressor.encode_groups.__code__
-    assert code_a.co_code == compressor.encode_groups.__code__.co_code  # the same kernel
+    assert code_a is not code_b and code_a is not encode_groups.__code__
+    assert code_a.co_code == encode_groups.__code__.co_code  # the same kernel

@@ -1,0 +1,252 @@
+"""DIVISION's and ActNN's math: pure tensor functions, no autograd, no policy, no execution plan.
+
+What a compressed tensor holds and how the pieces fit is in :mod:`hf_division.compressor` and
+docs/DESIGN.md ("Compressor"); how the kernels below are run (compiled over cache-sized chunks) is
+in :mod:`hf_division.fused`. Every function here works on CPU and CUDA alike and is
+``torch.compile``-able.
+"""
+from __future__ import annotations
+
+import torch
+
+#: per-group min / scale: 16 bits as in ActNN; bf16 rather than fp16 so that fp32 activations
+#: beyond 65504 cannot overflow it
+SCALE_DTYPE = torch.bfloat16
+
+# ----------------------------------------------------------------------------- bit packing
+def pack_bits(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack a flat uint8 tensor of values < 2**bits (length divisible by 8 // bits) into bytes."""
+    if bits == 8:
+        return q
+    per = 8 // bits
+    q = q.view(-1, per)
+    out = q[:, 0].clone()
+    for i in range(1, per):
+        out |= q[:, i] << (bits * i)
+    return out
+
+
+def unpack_bits(p: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bits`: ``(n,)`` uint8 -> ``(n * 8 // bits,)`` uint8."""
+    if bits == 8:
+        return p
+    shifts = torch.arange(0, 8, bits, device=p.device, dtype=torch.uint8)
+    return ((p.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).view(-1)
+
+
+#: multiplying 8 bytes of 0/1 (one int64, little-endian) by this gathers them into the top byte,
+#: byte i -> bit i: the same order as ``pack_bits(., 1)``, in one multiply instead of 8 shift/or passes
+_GATHER_BITS = 0x0102040810204080
+
+
+def pack_mask(mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Any-shape bool/0-1 tensor -> (``ceil(n / 8)`` uint8 bytes, ``n``)."""
+    # a bool mask is already 0/1 bytes (dropout's); an offset view is copied for the int64 view below
+    ready = mask.dtype == torch.bool and mask.is_contiguous() and mask.storage_offset() % 8 == 0
+    flat = (mask if ready else mask != 0).reshape(-1).view(torch.uint8)
+    n = flat.numel()
+    if n % 8:
+        flat = torch.nn.functional.pad(flat, (0, -n % 8))
+    words = flat.contiguous().view(torch.int64)  # int64 overflow wraps; only the top byte is kept
+    return ((words * _GATHER_BITS) >> 56).to(torch.uint8), n
+
+
+def unpack_mask(bits: torch.Tensor, n: int, shape) -> torch.Tensor:
+    """Inverse of :func:`pack_mask`: uint8 0/1 values of ``shape``."""
+    return unpack_bits(bits, 1)[:n].view(shape)
+
+
+# ----------------------------------------------------------------------------- noise
+def noise_words(n: int, device: torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``n`` uniform random int16 values, the source of stochastic-rounding noise.
+
+    ``torch.rand`` spends one generator call per element, which on CPU costs about as much as
+    the rest of the compression. One 64-bit draw (``random_`` over the full int64 range) gives
+    four independent 16-bit integers (the ``compressor`` suite times both: ``python -m hf_division.suites compressor``).
+    """
+    words = torch.empty(-(-n // 4), dtype=torch.int64, device=device).random_(-(2**63), None, generator=generator)
+    return words.view(torch.int16)[:n]
+
+
+def uniform(words: torch.Tensor) -> torch.Tensor:
+    """int16 words -> float32 U(0, 1) samples ``(k + 0.5) / 65536`` (k = word + 32768).
+
+    A value is then rounded up with a probability off by at most 2**-17 of its fraction (tested).
+    """
+    return words.float() * (1.0 / 65536) + (32768 + 0.5) / 65536
+
+
+# odd multipliers below 2**31: products with 32-bit values stay below 2**63, so no int64 overflow
+_MIX1, _MIX2 = 0x7FEB352D, 0x5BD1E995
+_LOW32 = 0xFFFFFFFF
+
+
+def hash_uniform(index: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+    """Counter-based U(0, 1) noise: float32 ``(k + 0.5) / 2**24`` from a 32-bit integer hash of
+    ``index + seed`` (int64 tensors, broadcast). Elementwise, so inside a compiled kernel it costs
+    a few integer ops per element instead of a generator draw (timed by ``python -m hf_division.suites compressor``);
+    a value is rounded up with a probability off by at most 2**-25 of its fraction."""
+    x = (index + seed) & _LOW32
+    x = x ^ (x >> 16)
+    x = (x * _MIX1) & _LOW32
+    x = x ^ (x >> 15)
+    x = (x * _MIX2) & _LOW32
+    x = x ^ (x >> 16)
+    return ((x >> 8).float() + 0.5) * (1.0 / 16777216)
+
+
+def noise_seed(device: torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
+    """A 0-d int64 seed in ``[0, 2**32)`` for :func:`hash_uniform`, drawn from ``generator``."""
+    where = generator.device if generator is not None else device
+    return torch.randint(0, 2**32, (), dtype=torch.int64, generator=generator, device=where).to(device)
+
+
+# ----------------------------------------------------------------------------- core math
+def outlier_tokens(x3: torch.Tensor, ratio: float) -> torch.Tensor | None:
+    """Index (int64, among the ``M*T`` tokens of an ``(M, T, C)`` tensor) of the tokens whose max |x|
+    exceeds ``ratio`` times the median token's, at most ``M*T // 64`` of them (the largest); None
+    if there are none.
+
+    Why: decoder LLMs put "massive activations" (orders of magnitude above the rest; SmolLM2: its first token, in
+    a few channels) on a few tokens. Inside a block such a token dominates the LFC, and in its
+    channels it sets the group ranges of every other token: one of them made a layer's weight
+    gradient pure noise (docs/DESIGN.md, "Compressor"). Kept exact, they cost at most half a bit per
+    element (fp32), and nothing where there are none. Their count is data-dependent (a host sync).
+    """
+    r = torch.maximum(x3.amax(dim=2), x3.amin(dim=2).neg_()).view(-1)  # max |x| per token, no |x| copy
+    k = max(1, r.numel() // 64)
+    top, index = r.topk(min(k, r.numel()))
+    keep = index[top > ratio * r.median()]
+    return keep if keep.numel() else None
+
+
+def bf16_directed(v: torch.Tensor, down: bool) -> torch.Tensor:
+    """float32 -> the nearest bf16 value (as float32) toward -inf (``down``) or +inf.
+
+    On the bits, not through a cast: inductor elides a float32 -> bf16 -> float32 round trip
+    inside a fused kernel. Truncating the low 16 bits rounds toward 0; one bf16 ulp more
+    magnitude (+0x10000) then rounds away from 0 where that is the wanted direction."""
+    i = v.view(torch.int32)
+    inexact = (i & 0xFFFF) != 0
+    away = inexact & ((v < 0) if down else (v > 0))
+    return ((i & -65536) + away.to(torch.int32) * 65536).view(torch.float32)
+
+
+def round_lfc(v: torch.Tensor, dtype: torch.dtype):
+    """float32 block means -> (stored in ``dtype``, the same values as float32).
+
+    bf16 rounds to nearest-even on the bits: inductor's CPU code for a bf16 cast made the whole
+    kernel several times slower when we timed it, and inside a fused kernel inductor may elide
+    the round trip (the kernels are compiled with emulated casts for the other dtypes)."""
+    if dtype == torch.float32:
+        return v, v
+    if dtype != torch.bfloat16:
+        stored = v.to(dtype)
+        return stored, stored.float()
+    i = v.view(torch.int32)
+    bits = (i + 0x7FFF + ((i >> 16) & 1)) & -65536
+    rounded = torch.where(v == v, bits.view(torch.float32), v)  # NaN stays NaN
+    return (rounded.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16), rounded
+
+
+def encode_tokens(x, seed, bits: int, block: int, group: int, lfc_dtype: torch.dtype):
+    """Tokens ``(s * group, C)`` float32 -> ``(codes, lfc, lo, scale)``.
+
+    ``lfc``: ``(s * group / block, C)`` block means in ``lfc_dtype`` (None when ``block <= 1``);
+    ``lo``, ``scale``: ``(s, C)`` bf16, one pair per group of ``group`` tokens of one channel;
+    ``codes``: the HFC's ``bits``-bit codes in token-major order, packed. ``seed``: 0-d int64 (the
+    stream's seed plus the index of ``x``'s first element; None: round to nearest).
+
+    A group lies inside one channel, so each channel's range sets only its own groups (the
+    outlier channels of transformer residual streams cost the others nothing), and it spans whole
+    LFC blocks, so the kernel needs no index arithmetic beyond broadcasting: one fused, vectorized
+    pass over a cache-sized chunk (``group`` must be a multiple of ``block``).
+    """
+    n, c = x.shape
+    s = n // group
+    if block > 1:
+        x4 = x.view(s, group // block, block, c)
+        lfc, lf = round_lfc(x4.sum(2) * (1.0 / block), lfc_dtype)
+        h = (x4 - lf.unsqueeze(2)).view(s, group, c)
+    else:
+        lfc, h = None, x.view(s, group, c)
+    levels = (1 << bits) - 1
+    lo = bf16_directed(h.amin(1), down=True)  # every value of the group lies in [lo, lo + levels * scale]
+    scale = bf16_directed((h.amax(1) - lo) * (1.0 / levels), down=False)
+    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    if seed is None:
+        noise = 0.5
+    else:
+        noise = hash_uniform(torch.arange(n * c, dtype=torch.int64, device=x.device).view(s, group, c), seed)
+    # y >= 0 by construction, so the truncating cast is the floor; clamp guards the top code
+    q = ((h - lo.unsqueeze(1)) * inv.unsqueeze(1) + noise).clamp_(0, levels).to(torch.uint8).view(-1)
+    per = 8 // bits
+    if q.numel() % per:
+        q = torch.nn.functional.pad(q, (0, -q.numel() % per))
+    return pack_bits(q, bits), None if lfc is None else lfc.view(-1, c), lo.to(SCALE_DTYPE), scale.to(SCALE_DTYPE)
+
+
+def decode_tokens(codes, lfc, lo, scale, bits: int, block: int, group: int):
+    """Inverse of :func:`encode_tokens` up to rounding: ``(s * group, C)`` float32.
+    ``lfc`` (or None), ``lo``, ``scale``: float32, shaped as ``encode_tokens`` returns them."""
+    s, c = lo.shape
+    per = 8 // bits
+    if bits == 8:
+        q = codes.view(s, group, c)
+    elif c % per == 0:  # unpack along the channel axis: no index arithmetic in the kernel
+        shifts = torch.arange(0, 8, bits, device=codes.device, dtype=torch.uint8)
+        q = ((codes.view(s, group, c // per).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).view(s, group, c)
+    else:
+        q = unpack_bits(codes, bits)[: s * group * c].view(s, group, c)
+    if lfc is None:
+        return torch.addcmul(lo.unsqueeze(1), q.float(), scale.unsqueeze(1)).view(-1, c)
+    nb = group // block
+    base = lo.view(s, 1, 1, c) + lfc.view(s, nb, 1, c)
+    return torch.addcmul(base, q.view(s, nb, block, c).float(), scale.view(s, 1, 1, c)).view(-1, c)
+
+
+def minmax_groups(flat, group_size: int):
+    """``(lo, hi)`` per group of ``group_size`` consecutive float32 values."""
+    g = flat.view(-1, group_size)
+    return g.amin(dim=1), g.amax(dim=1)
+
+
+def encode_groups(flat, base, seed, lo, inv, bits: int, group_size: int):
+    """The elementwise part of :func:`hf_division.compressor.quantize_groups`: ``(packed,)`` codes for float32 groups.
+    ``base``: (groups,) int64 index of each group's first element (None: round to nearest)."""
+    g = flat.view(-1, group_size)
+    if base is None:
+        noise = 0.5
+    else:
+        index = base.unsqueeze(1) + torch.arange(group_size, dtype=torch.int64, device=flat.device)
+        noise = hash_uniform(index, seed)
+    # y > 0 by construction, so the truncating cast is the floor; clamp guards the top code
+    q = ((g - lo.unsqueeze(1)) * inv.unsqueeze(1) + noise).clamp_(0, (1 << bits) - 1).to(torch.uint8)
+    return (pack_bits(q.view(-1), bits),)
+
+
+def dequantize_groups(packed: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int):
+    """Inverse of :func:`hf_division.compressor.quantize_groups` up to rounding: flat float32 values."""
+    q = unpack_bits(packed, bits).view(-1, group_size)
+    return (q.float() * scale.float().unsqueeze(1) + lo.float().unsqueeze(1)).view(-1)
+
+
+# ----------------------------------------------------------------------------- kernels run by hf_division.fused
+# They write into slices of preallocated outputs, so one compiled graph serves every chunk offset
+# and nothing is concatenated afterwards (docs/DESIGN.md, "Compressor").
+def encode_into(codes, lfc, lo, scale, x, seed, bits: int, block: int, group: int, lfc_dtype: torch.dtype):
+    """:func:`encode_tokens` of ``x`` written into ``codes``, ``lfc`` (None: no LFC), ``lo``, ``scale``."""
+    for out, value in zip((codes, lfc, lo, scale), encode_tokens(x, seed, bits, block, group, lfc_dtype)):
+        if out is not None:
+            out.copy_(value)
+
+
+def decode_into(out, codes, lfc, lo, scale, bits: int, block: int, group: int):
+    """:func:`decode_tokens` written into ``out``."""
+    out.copy_(decode_tokens(codes, lfc, lo, scale, bits, block, group))
+
+
+def dequantize_tuple(packed, lo, scale, bits, group_size):
+    """:func:`dequantize_groups` as a 1-tuple: the flat path's runner concatenates tuples of outputs."""
+    return (dequantize_groups(packed, lo, scale, bits, group_size),)
+
