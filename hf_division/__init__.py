@@ -1,7 +1,9 @@
 """hf-division: DIVISION-compressed activations for Hugging Face training (one flag)."""
+import importlib
+
 from .config import DivisionConfig
 from .measure import measure_activation_memory
-from .patching import apply_division, remove_division, supported_model_types
+from .api import apply_division, remove_division, supported_model_types
 
 __all__ = [
     "DivisionConfig",
@@ -14,9 +16,9 @@ __all__ = [
 ]
 
 
-def __getattr__(name):  # the Trainer pulls in much of transformers: import it on first use
+def __getattr__(name):
+    # PEP 562 lazy attribute: ``transformers.Trainer`` pulls in much of transformers (and
+    # accelerate), which ``apply_division`` alone does not need; loaded on first use only.
     if name in ("TrainingArguments", "Trainer"):
-        from . import trainer
-
-        return getattr(trainer, name)
+        return getattr(importlib.import_module(".trainer", __name__), name)
     raise AttributeError(name)

@@ -1,4 +1,4 @@
-"""Division in custom Accelerate training loops (docs/SCALE.md).
+"""Division in custom Accelerate training loops (docs/GUIDE.md, "Accelerate loops").
 
 The pattern (``scripts/train_accelerate.py`` is a complete example)::
 
@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from . import store
+from .api import apply_division, division_config_of, unwrap
 from .config import DivisionConfig
-from .patching import apply_division, unwrap
+from .noise import reseed, step_seed
 
 
 def prepare_division(model: nn.Module, config: DivisionConfig | None = None) -> nn.Module:
@@ -49,13 +49,11 @@ def reseed_for_step(step: int, seed: int, accelerator=None) -> int:
     resumed from ``accelerator.save_state`` at step ``k`` draws the noise of the uninterrupted run.
     """
     rank = getattr(accelerator, "process_index", 0) if accelerator is not None else 0
-    noise_seed = store.step_seed(seed, step, rank)
-    store.reseed(noise_seed)
+    noise_seed = step_seed(seed, step, rank)
+    reseed(noise_seed)
     return noise_seed
 
 
 def division_enabled(model: nn.Module) -> bool:
     """Whether ``model`` (prepared or not) has division applied."""
-    from .patching import division_config_of
-
     return division_config_of(unwrap(model)) is not None

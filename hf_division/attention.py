@@ -13,8 +13,9 @@ import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from . import store
-from .functions import AttentionFn
+from .accounting import account_tensors
+from .ops import AttentionFn
+from .store import active
 
 PREFIX = "division_"
 CONFIG_ATTR = "_division_config"  # set on each module of a patched model
@@ -41,13 +42,13 @@ def _make(impl: str):
         if (
             config is None
             or config.bits("attention") == 0
-            or not (store.active() and module.training)
+            or not (active() and module.training)
             or not any(t.requires_grad for t in (query, key, value, *extra))
             or kwargs.get("output_attentions")
         ):
             return orig(module, query, key, value, attention_mask, **kwargs)
         held = [attention_mask] + [t for t in kwargs.values() if isinstance(t, torch.Tensor) and not t.requires_grad]
-        store.account_tensors([t for t in held if isinstance(t, torch.Tensor)], "attention")
+        account_tensors([t for t in held if isinstance(t, torch.Tensor)], "attention")
 
         def call(q, k, v, *ex):
             return orig(module, q, k, v, attention_mask, **{**kwargs, **dict(zip(names, ex))})[0]

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field, replace
 from .config import KINDS, DivisionConfig
 from .fidelity import flat_grad
 from .measure import held_bytes
-from .patching import STATE_ATTR, apply_division, remove_division, restored_division, unwrap
+from .api import apply_division, patched_modules, remove_division, restored_division, unwrap
 
 BITS = (1, 2, 4, 8)
 
@@ -203,7 +203,7 @@ def measure_sensitivity(
         # background: every top-level child at 8 bits for every compressed kind
         background = {name: {k: 8 for k in kinds} for name, _ in base.named_children()}
         apply_division(model, _with(config, background))
-        patched = {id(m) for m, _ in base.__dict__[STATE_ATTR].modules}
+        patched = {id(m) for m in patched_modules(base)}
         layers = sorted({layer_of(n) for n, m in base.named_modules() if n and id(m) in patched})
         model.train()
         bg_kinds = _by_kind(model, batch)

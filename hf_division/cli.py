@@ -1,25 +1,24 @@
-"""``hf-division`` console command: ``hf-division run SCRIPT.py [ARGS]`` | ``hf-division demo [ARGS]``."""
+"""``hf-division`` console command: ``run``, ``demo`` and ``measure`` subcommands."""
 from __future__ import annotations
 
+import importlib
 import sys
 
+#: subcommand -> module whose ``main(argv)`` runs it; imported on use, so ``hf-division run`` does
+#: not pay for what only the demo or the measurement suites need (datasets, scikit-learn, PEFT)
+COMMANDS = {"run": "hf_division.run", "demo": "hf_division.demo", "measure": "hf_division.suites"}
+
 USAGE = """usage: hf-division run SCRIPT.py [ARGS]   run a Transformers script with --division available
-       hf-division demo [ARGS]            fine-tune real MiniLM-L6 on bundled SST-2 with division"""
+       hf-division demo [ARGS]            fine-tune real MiniLM-L6 on bundled SST-2 with division
+       hf-division measure SUITE [ARGS]   run a measurement suite (python -m hf_division.suites --help)"""
 
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in ("run", "demo"):
+    if not argv or argv[0] not in COMMANDS:
         print(USAGE, file=sys.stderr)
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
-    if argv[0] == "run":
-        from .run import main as run_main
-
-        run_main(argv[1:])
-    else:
-        from .demo import main as demo_main
-
-        demo_main(argv[1:])
+    importlib.import_module(COMMANDS[argv[0]]).main(argv[1:])
 
 
 if __name__ == "__main__":

@@ -1,19 +1,25 @@
-"""`DivisionConfig`: what is compressed how. Defaults are the measured policy (docs/POLICY.md)."""
+"""`DivisionConfig`: what is compressed how. Defaults are the measured policy (docs/RESULTS.md, "Precision policy on MiniLM").
+
+Names no model type: a family whose measured defaults differ registers them beside its patcher
+(``model_patches``, :mod:`hf_division.registry`), and :meth:`DivisionConfig.resolved` reads them.
+"""
 from __future__ import annotations
 
 import copy
 import dataclasses
 import json
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-#: Kinds of saved activations that get their own precision (see docs/POLICY.md).
+from .registry import family_defaults
+
+#: Kinds of saved activations that get their own precision (docs/DESIGN.md, "Policy").
 KINDS = ("linear", "attention", "activation", "norm")
 
 #: Values of the family-dependent fields (those left at None) where the model family does not say
-#: otherwise: HFC bits per kind measured on MiniLM (docs/POLICY.md), outlier tokens kept exact.
+#: otherwise: HFC bits per kind measured on MiniLM (docs/RESULTS.md, "Precision policy on MiniLM"), outlier tokens kept exact.
 DEFAULTS = {"linear_bits": 4, "attention_bits": 4, "activation_bits": 4, "norm_bits": 4, "outlier_ratio": 16.0}
 DEFAULT_BITS = {kind: DEFAULTS[f"{kind}_bits"] for kind in KINDS}
 
@@ -21,20 +27,10 @@ _LFC_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": 
 _METHODS = ("division", "actnn")
 _ROUNDING = ("stochastic", "nearest")
 
-# Pretrained decoder LLMs need more bits for what feeds the attention recomputation and the MLP
-# activation: on real SmolLM2-135M (30 layers) 4 bits there gave a gradient cosine of 0.952, 8 bits
-# 0.995 (docs/ARCHITECTURES.md, scripts/family_policy.py --smollm2). Random-init models cannot show
-# it, so the other decoder families take the measured Llama setting by analogy. T5 too: it does not
-# scale q.k by 1/sqrt(d), and gated-GELU T5 (v1.1, Flan) reached only 0.971 at 4 bits, 0.993 at 8.
-_DECODER = {"attention_bits": 8, "activation_bits": 8}
-# BERT-family encoders: no token reached 16x the median on real MiniLM (the bytes held are the same
-# with and without the search), and the search is one more pass over every saved tensor: skipped.
-_ENCODER = {"outlier_ratio": 0.0}
-#: model_type -> the fields whose default differs from DEFAULTS.
-FAMILY_DEFAULTS = {
-    **{t: _DECODER for t in ("gpt2", "opt", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "t5")},
-    **{t: _ENCODER for t in ("bert", "roberta", "xlm-roberta", "electra", "distilbert")},
-}
+
+def _field(default, help_text: str):
+    """A config field whose help text reaches ``--help`` (``HfArgumentParser`` reads the metadata)."""
+    return field(default=default, metadata={"help": help_text})
 
 
 @dataclass
@@ -43,9 +39,9 @@ class DivisionConfig:
 
     Every ``*_bits`` field is the HFC bit width for one kind of saved tensor: 1, 2, 4 or 8, 0 to
     keep that kind uncompressed, or None (default) for the measured default of the model's family
-    (``FAMILY_DEFAULTS``, else ``DEFAULTS``: 4; decoder LLMs keep attention and activation inputs
-    at 8). :func:`hf_division.apply_division` fills the Nones in for the model it patches
-    (:meth:`resolved`); ``outlier_ratio`` likewise.
+    (registered beside its patcher in ``model_patches``, else ``DEFAULTS``: 4; decoder LLMs keep
+    attention and activation inputs at 8). :func:`hf_division.apply_division` fills the Nones in
+    for the model it patches (:meth:`resolved`); ``outlier_ratio`` likewise.
 
     * ``linear_bits``: inputs of ``nn.Linear`` layers (weight gradient only).
     * ``attention_bits``: query/key/value kept by the attention core; the ``T x T`` probability
@@ -64,21 +60,22 @@ class DivisionConfig:
     several modules is compressed once, at the bits of the first module that keeps it.
     """
 
-    method: str = "division"  # "division" (LFC + HFC) or "actnn" (per-group 2-bit, no LFC)
-    block_size: int = 16  # tokens averaged into one LFC row
-    lfc_dtype: str = "bfloat16"
-    group_size: int = 256  # HFC elements sharing one min/scale pair (division: tokens of one channel)
-    rounding: str = "stochastic"
-    linear_bits: int | None = None
-    attention_bits: int | None = None
-    activation_bits: int | None = None
-    norm_bits: int | None = None
-    min_numel: int = 4096  # smaller saved tensors are kept as they are
-    norm_row_scale: bool = True  # norm inputs: each token divided by its RMS (kept exact) before compression
-    outlier_ratio: float | None = None  # tokens with max |x| > this x the median token's are kept exact; 0: off
-    dropout_bits: bool = True  # store dropout masks as 1 bit per element
-    generic_fallback: bool = False  # patch unregistered model types generically (with a warning)
-    module_bits: str = ""  # per-module overrides of the *_bits fields (JSON / path / dict), see above
+    method: str = _field("division", '"division" (LFC + HFC) or "actnn" (per-group 2-bit, no LFC).')
+    block_size: int = _field(16, "Tokens averaged into one LFC row (DIVISION's block).")
+    lfc_dtype: str = _field("bfloat16", "dtype of the LFC: bfloat16, float16 or float32.")
+    group_size: int = _field(256, "HFC elements sharing one min/scale pair (DIVISION: tokens of one channel); a multiple of 8.")
+    rounding: str = _field("stochastic", '"stochastic" (unbiased) or "nearest" rounding of the HFC.')
+    linear_bits: int | None = _field(None, "HFC bits for inputs of Linear layers (1, 2, 4, 8; 0: keep; unset: family default).")
+    attention_bits: int | None = _field(None, "HFC bits for the q/k/v kept by attention (0: keep; unset: family default).")
+    activation_bits: int | None = _field(None, "HFC bits for inputs of activation functions (0: keep; unset: family default).")
+    norm_bits: int | None = _field(None, "HFC bits for inputs of LayerNorm/RMSNorm (0: keep; unset: family default).")
+    min_numel: int = _field(4096, "Saved tensors with fewer elements are kept as they are.")
+    norm_row_scale: bool = _field(True, "Norm inputs: divide each token by its RMS (kept exact) before compressing.")
+    outlier_ratio: float | None = _field(
+        None, "Keep tokens exact whose max |x| exceeds this many times the median token's; 0: off; unset: family default.")
+    dropout_bits: bool = _field(True, "Store dropout masks as 1 bit per element.")
+    generic_fallback: bool = _field(False, "Patch model types without a registered patcher generically (with a warning).")
+    module_bits: str = _field("", "Per-module overrides of the *_bits fields: a JSON object or a path to a JSON file.")
 
     def __post_init__(self):
         if self.method not in _METHODS:
@@ -122,8 +119,9 @@ class DivisionConfig:
         return DEFAULTS["outlier_ratio"] if self.outlier_ratio is None else float(self.outlier_ratio)
 
     def resolved(self, model_type: str | None) -> "DivisionConfig":
-        """This config with every field left at None set to ``model_type``'s default."""
-        family = FAMILY_DEFAULTS.get(model_type, {})
+        """This config with every field left at None set to ``model_type``'s default (the
+        defaults its family registered, else :data:`DEFAULTS`)."""
+        family = family_defaults(model_type)
         unset = {k: family.get(k, v) for k, v in DEFAULTS.items() if getattr(self, k) is None}
         return dataclasses.replace(self, **unset) if unset else self
 
@@ -149,6 +147,18 @@ class DivisionConfig:
         out = copy.copy(self)
         out._resolved = resolved
         return out
+
+    def compressor_args(self, kind: str) -> dict:
+        """Keyword arguments of :func:`hf_division.compressor.compress` for a tensor of ``kind``."""
+        return dict(
+            bits=self.bits(kind),
+            block_size=self.effective_block_size,
+            group_size=self.group_size,
+            lfc_dtype=self.torch_lfc_dtype,
+            stochastic=self.rounding == "stochastic",
+            outlier_ratio=self.effective_outlier_ratio,
+            grouping="flat" if self.method == "actnn" else "tokens",
+        )
 
     @property
     def effective_block_size(self) -> int:

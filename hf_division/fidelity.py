@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from .config import DivisionConfig
-from .patching import apply_division, remove_division, restored_division
+from .api import apply_division, remove_division, restored_division
 
 
 def flat_grad(model: torch.nn.Module, inputs: dict, seed: int) -> torch.Tensor:

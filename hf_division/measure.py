@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import store
+from .accounting import start_accounting, stop_accounting
 from .config import DivisionConfig
-from .patching import apply_division, remove_division, restored_division, unwrap
+from .api import apply_division, remove_division, restored_division, unwrap
 
 
 @dataclass
@@ -108,13 +108,13 @@ def _bytes(held: list[tuple[torch.Tensor, str]]) -> tuple[int, dict]:
 
 def held_bytes(model: nn.Module, inputs: dict) -> tuple[int, dict]:
     """Bytes held for backward after one training forward of ``model`` as it is now."""
-    store.start_accounting()
+    start_accounting()
     try:
         with _record_saved(unwrap(model)) as saved:
             out = model(**inputs)
-            total = _bytes(saved + store.stop_accounting())
+            total = _bytes(saved + stop_accounting())
     finally:
-        store.stop_accounting()
+        stop_accounting()
     del out
     return total
 

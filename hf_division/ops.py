@@ -1,4 +1,4 @@
-"""Autograd glue: ops whose forward is the original op and whose saved tensors are compressed.
+"""The autograd ops: Functions whose forward is the original op and whose saved tensors are compressed.
 
 Each forward computes exactly what the unpatched op computes (same kernels, same RNG draws), so
 training outputs are bit-identical; only what is kept for backward changes. Policy (which bits for
@@ -15,9 +15,11 @@ from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import compressor, store
+from .accounting import account_tensors
 from .config import DivisionConfig
+from .quant import pack_mask, unpack_mask
 from .sdpa_backward import GradientOnlySDPA
+from .store import Entry, derive, keep, lookup, recomputing
 
 _AMP_DEVICES = ("cpu", "cuda")
 
@@ -49,7 +51,7 @@ class LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, fwd: Callable, transposed: bool, config: DivisionConfig, kind: str):
-        ctx.entry = store.keep(x, kind, config) if weight.requires_grad else None
+        ctx.entry = keep(x, kind, config) if weight.requires_grad else None
         ctx.save_for_backward(weight)
         ctx.has_bias, ctx.transposed = bias is not None, transposed
         return fwd(x)
@@ -64,10 +66,9 @@ class LinearFn(torch.autograd.Function):
             gx = grad.matmul(w.t() if ctx.transposed else w)
         g2 = grad.reshape(-1, grad.shape[-1])
         if ctx.entry is not None and ctx.needs_input_grad[1]:
-            x = ctx.entry.get()
+            x = ctx.entry.take()
             x2 = x.reshape(-1, x.shape[-1]).to(grad.dtype)
             gw = (x2.t().matmul(g2) if ctx.transposed else g2.t().matmul(x2)).to(weight.dtype)
-            ctx.entry.done()
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(0).to(weight.dtype)
         return gx, gw, gb, None, None, None, None
@@ -83,20 +84,19 @@ class RecomputeFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn: Callable, config: DivisionConfig, kind: str, exact_sign: bool, x, *params):
         y = fn(x)
-        ctx.fn, ctx.entry, ctx.amp = fn, store.keep(x, kind, config, exact_sign), autocast_state()
+        ctx.fn, ctx.entry, ctx.amp = fn, keep(x, kind, config, exact_sign), autocast_state()
         ctx.save_for_backward(*params)
-        store.derive(y, (ctx.entry,), _no_grad(fn, ctx.amp))
+        derive(y, (ctx.entry,), _no_grad(fn, ctx.amp))
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         params = ctx.saved_tensors
-        x = ctx.entry.get().detach().requires_grad_(ctx.needs_input_grad[4])
-        ctx.entry.done()
+        x = ctx.entry.take().detach().requires_grad_(ctx.needs_input_grad[4])
         wanted = [t for t, need in zip((x, *params), ctx.needs_input_grad[4:]) if need]
         grads = iter(())
-        direct = _elementwise_grad(ctx.fn) if not params else None
+        direct = elementwise_grad(ctx.fn) if not params else None
         if direct is not None and wanted:  # the activation's own derivative: no forward recomputed
             grads = iter((direct(grad, x.detach()),))
         elif wanted:
@@ -107,7 +107,7 @@ class RecomputeFn(torch.autograd.Function):
         return (None, None, None, None, *out)
 
 
-def _elementwise_grad(fn: Callable):
+def elementwise_grad(fn: Callable):
     """``grad, x -> dL/dx`` for the activations whose ATen backward needs only ``x`` (GELU, SiLU),
     given their module's bound ``forward``; None for anything else (recomputed under autograd)."""
     module = getattr(fn, "__self__", None)
@@ -122,7 +122,7 @@ def _elementwise_grad(fn: Callable):
 
 
 def _no_grad(fn, amp: tuple):
-    """``fn`` as a recipe for :func:`store.derive`: no autograd, the forward's autocast state."""
+    """``fn`` as a recipe for :func:`hf_division.store.derive`: no autograd, the forward's autocast state."""
 
     def run(*args):
         with torch.no_grad(), autocast_as(amp):
@@ -142,17 +142,15 @@ class GatedFn(torch.autograd.Function):
     def forward(ctx, act: Callable, up_first: bool, config: DivisionConfig, gate, up):
         a = act(gate)
         h = up * a if up_first else a * up
-        ctx.act, ctx.entries = act, (store.keep(gate, "activation", config), store.keep(up, "activation", config))
+        ctx.act, ctx.entries = act, (keep(gate, "activation", config), keep(up, "activation", config))
         ctx.amp = autocast_state()
-        store.derive(h, ctx.entries, _no_grad(lambda g, u: u * act(g) if up_first else act(g) * u, ctx.amp))
+        derive(h, ctx.entries, _no_grad(lambda g, u: u * act(g) if up_first else act(g) * u, ctx.amp))
         return h
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        gate, up = (e.get() for e in ctx.entries)
-        for e in ctx.entries:
-            e.done()
+        gate, up = (e.take() for e in ctx.entries)
         gate = gate.detach().requires_grad_(True)
         with torch.enable_grad(), autocast_as(ctx.amp):
             a = ctx.act(gate)
@@ -177,17 +175,17 @@ class DropoutFn(torch.autograd.Function):
             noise.div_(1 - p)
             out = x * noise
             keep_mask = noise != 0
-        ctx.bits, ctx.n = compressor.pack_mask(keep_mask)
+        ctx.bits, ctx.n = pack_mask(keep_mask)
         ctx.shape, ctx.p, ctx.dtype = x.shape, p, x.dtype
-        store.account_tensors([ctx.bits], "dropout")
-        parent = store.lookup(x)
+        account_tensors([ctx.bits], "dropout")
+        parent = lookup(x)
         if parent is not None:
-            store.derive(out, (parent,), lambda t, c=ctx: t * DropoutFn.noise(c), extra=[ctx.bits])
+            derive(out, (parent,), lambda t, c=ctx: t * DropoutFn.noise(c), extra=[ctx.bits])
         return out
 
     @staticmethod
     def noise(ctx) -> torch.Tensor:
-        return compressor.unpack_mask(ctx.bits, ctx.n, ctx.shape).to(ctx.dtype).div_(1 - ctx.p)
+        return unpack_mask(ctx.bits, ctx.n, ctx.shape).to(ctx.dtype).div_(1 - ctx.p)
 
     @staticmethod
     @once_differentiable
@@ -216,12 +214,13 @@ class BitDropout(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class _DropoutMasks(TorchDispatchMode):
+class DropoutMasks(TorchDispatchMode):
     """Records the Bernoulli draws of dropout inside an op as bits, or replays recorded ones.
 
     Dropout on CPU (``F.dropout`` and the math path of ``scaled_dot_product_attention``) draws
-    its mask with ``bernoulli_``, which costs ~12 ns per element here: replaying the bits in
-    backward is several times cheaper than redrawing them from a restored RNG state.
+    its mask with ``bernoulli_``, an expensive draw per element: replaying the bits in backward is
+    several times cheaper than redrawing them from a restored RNG state (docs/DESIGN.md,
+    "Mechanism: custom autograd Functions at module level").
     """
 
     def __init__(self, replay: list | None = None):
@@ -230,21 +229,56 @@ class _DropoutMasks(TorchDispatchMode):
         self.replay = replay is not None
         self.used = 0
 
+    def next_mask(self, shape) -> torch.Tensor | None:
+        """Replaying: the next recorded keep mask (0/1 uint8 of ``shape``), or None if none is left."""
+        if not self.replay or self.used >= len(self.masks):
+            return None
+        bits, n = self.masks[self.used]
+        self.used += 1
+        return unpack_mask(bits, n, shape)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.ops.aten.bernoulli_.float:
             target = args[0]
-            if self.replay and self.used < len(self.masks):
-                bits, n = self.masks[self.used]
-                self.used += 1
-                return target.copy_(compressor.unpack_mask(bits, n, target.shape))
+            mask = self.next_mask(target.shape)
+            if mask is not None:
+                return target.copy_(mask)
             out = func(*args, **kwargs)
-            self.masks.append(compressor.pack_mask(out))
+            self.masks.append(pack_mask(out))
             return out
         return func(*args, **kwargs)
 
 
-_FAST_SDPA = {"enabled": True}  # tests compare against the plain recomputation
+_FAST_SDPA = {"enabled": True}
+
+
+def use_fast_sdpa_backward(enabled: bool) -> None:
+    """Recompute attention on CPU with the written-out sdpa gradient (default) or under plain
+    autograd (what the fast path is tested against)."""
+    _FAST_SDPA["enabled"] = bool(enabled)
+
+
+class RngState:
+    """The CPU RNG state, and that of the first CUDA device among ``tensors``, at creation;
+    :meth:`restored` runs a block from it (the recomputation draws the forward's dropout)."""
+
+    def __init__(self, tensors):
+        self.devices = [t.device for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda][:1]
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(self.devices[0]) if self.devices else None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """What it holds (for accounting)."""
+        return [self.cpu] + ([self.cuda] if self.cuda is not None else [])
+
+    @contextlib.contextmanager
+    def restored(self):
+        with torch.random.fork_rng(devices=self.devices):
+            torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state(self.cuda, self.devices[0])
+            yield
 
 
 class AttentionFn(torch.autograd.Function):
@@ -260,34 +294,25 @@ class AttentionFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, call: Callable, config: DivisionConfig, *extra):
-        ctx.call, ctx.devices = call, [q.device] if q.is_cuda else []
-        ctx.rng = torch.get_rng_state()
-        ctx.cuda_rng = torch.cuda.get_rng_state(q.device) if q.is_cuda else None
-        ctx.amp = autocast_state()
-        with _DropoutMasks() as rec:
+        ctx.call, ctx.rng, ctx.amp = call, RngState([q]), autocast_state()
+        with DropoutMasks() as rec:
             out = call(q, k, v, *extra)
         ctx.masks = rec.masks
         ctx.save_for_backward(*extra)
-        ctx.entries = [store.keep(t, "attention", config) for t in (q, k, v)]
-        held = [ctx.rng] + [b for b, _ in ctx.masks] + ([ctx.cuda_rng] if ctx.cuda_rng is not None else [])
-        store.account_tensors(held, "attention")
+        ctx.entries = [keep(t, "attention", config) for t in (q, k, v)]
+        account_tensors(ctx.rng.tensors() + [b for b, _ in ctx.masks], "attention")
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        qkv = []
-        for entry, need in zip(ctx.entries, ctx.needs_input_grad[:3]):
-            qkv.append(entry.get().detach().requires_grad_(need))
-            entry.done()
+        qkv = [e.take().detach().requires_grad_(need) for e, need in zip(ctx.entries, ctx.needs_input_grad[:3])]
         extra = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[5:])]
-        with torch.random.fork_rng(devices=ctx.devices):
-            torch.set_rng_state(ctx.rng)
-            if ctx.cuda_rng is not None:
-                torch.cuda.set_rng_state(ctx.cuda_rng, ctx.devices[0])
-            with torch.enable_grad(), _DropoutMasks(replay=ctx.masks) as replay, autocast_as(ctx.amp):
+        with ctx.rng.restored():
+            with torch.enable_grad(), DropoutMasks(replay=ctx.masks) as replay, autocast_as(ctx.amp):
                 # CPU: sdpa's output is not recomputed, only its gradient (hf_division.sdpa_backward)
-                with GradientOnlySDPA(replay) if _FAST_SDPA["enabled"] and not ctx.devices else contextlib.nullcontext():
+                fast = _FAST_SDPA["enabled"] and not ctx.rng.devices
+                with GradientOnlySDPA(replay) if fast else contextlib.nullcontext():
                     out = ctx.call(*qkv, *extra)
         inputs = (*qkv, *extra)
         wanted = [t for t in inputs if t.requires_grad]
@@ -304,15 +329,12 @@ class CheckpointFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, run: Callable, config: DivisionConfig, *args):
-        ctx.run, ctx.devices = run, [a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda][:1]
-        ctx.rng = torch.get_rng_state()
-        ctx.cuda_rng = torch.cuda.get_rng_state(ctx.devices[0]) if ctx.devices else None
+        ctx.run, ctx.rng = run, RngState(args)
         # only activations (tensors needing a gradient) are compressed: a float additive attention
         # mask (BERT eager passes it positionally) must stay exact, its -inf/-max entries would be lost
-        ctx.args = [store.keep(a, "norm", config) if isinstance(a, torch.Tensor) and a.is_floating_point()
+        ctx.args = [keep(a, "norm", config) if isinstance(a, torch.Tensor) and a.is_floating_point()
                     and a.requires_grad else a for a in args]
-        store.account_tensors([a for a in ctx.args if isinstance(a, torch.Tensor)], "norm")
-        store.account_tensors([ctx.rng], "norm")
+        account_tensors([a for a in ctx.args if isinstance(a, torch.Tensor)] + ctx.rng.tensors(), "norm")
         ctx.amp = autocast_state()
         with torch.no_grad():
             return ctx.run(*args)
@@ -322,16 +344,11 @@ class CheckpointFn(torch.autograd.Function):
     def backward(ctx, *grads):
         args = []
         for a, need in zip(ctx.args, ctx.needs_input_grad[2:]):
-            if isinstance(a, store.Entry):
-                t = a.get().detach().requires_grad_(need)
-                a.done()
-                a = t
+            if isinstance(a, Entry):
+                a = a.take().detach().requires_grad_(need)
             args.append(a)
-        with torch.random.fork_rng(devices=ctx.devices):
-            torch.set_rng_state(ctx.rng)
-            if ctx.cuda_rng is not None:
-                torch.cuda.set_rng_state(ctx.cuda_rng, ctx.devices[0])
-            with torch.enable_grad(), store.recomputing(), autocast_as(ctx.amp):
+        with ctx.rng.restored():
+            with torch.enable_grad(), recomputing(), autocast_as(ctx.amp):
                 out = ctx.run(*args)
         outs = out if isinstance(out, tuple) else (out,)
         pairs = [(o, g) for o, g in zip(outs, grads) if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]

@@ -1,5 +1,5 @@
 """Backward of ``scaled_dot_product_attention`` written out, for the recomputation in
-:class:`~hf_division.functions.AttentionFn`.
+:class:`~hf_division.ops.AttentionFn`.
 
 Recomputing attention under autograd (what AttentionFn does in general) runs the whole forward
 again, ``P @ V`` included, and then its backward. Only the gradients are wanted, so on CPU the
@@ -14,8 +14,6 @@ import math
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-
-from . import compressor
 
 _softmax = getattr(torch, "_safe_softmax", None)  # rows with every key masked give 0, as sdpa's math path
 
@@ -35,7 +33,7 @@ def _may_mask_whole_rows(attn_mask, tq_tk) -> bool:
 
 #: bytes of float32 scores per chunk: the T x T intermediates of one chunk stay in cache. One pass
 #: over the whole batch let them spill to memory between the five passes that touch them.
-_CHUNK_BYTES = 4 << 20
+CHUNK_BYTES = 4 << 20
 
 
 def sdpa_grads(q, k, v, dout, attn_mask=None, keep=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -43,7 +41,7 @@ def sdpa_grads(q, k, v, dout, attn_mask=None, keep=None, dropout_p=0.0, is_causa
     computed over chunks of the leading (batch) dimension (:func:`_sdpa_grads_block`)."""
     n = q.shape[0] if q.dim() == 4 else 1
     per_item = q[0].numel() // q.shape[-1] * k.shape[-2] * 4 if n > 1 else 0
-    step = max(1, _CHUNK_BYTES // per_item) if per_item else n
+    step = max(1, CHUNK_BYTES // per_item) if per_item else n
     if step >= n:
         return _sdpa_grads_block(q, k, v, dout, attn_mask, keep, dropout_p, is_causal, scale, enable_gqa)
 
@@ -122,7 +120,8 @@ class _Placeholder(torch.autograd.Function):
 class GradientOnlySDPA(TorchFunctionMode):
     """Routes ``F.scaled_dot_product_attention`` to :class:`_Placeholder` where it can: CPU tensors,
     a mask that needs no gradient, and dropout bits recorded by ``masks`` (a replaying
-    ``_DropoutMasks``, whose next mask is this call's). Anything else runs as it is."""
+    :class:`hf_division.ops.DropoutMasks`: its ``next_mask`` is this call's). Anything else runs
+    as it is."""
 
     def __init__(self, masks):
         super().__init__()
@@ -141,11 +140,7 @@ class GradientOnlySDPA(TorchFunctionMode):
             return None
         keep = None
         if dropout_p > 0:
-            rec = self.masks
-            if rec.used >= len(rec.masks):
+            keep = self.masks.next_mask((*query.shape[:-1], key.shape[-2]))
+            if keep is None:
                 return None
-            bits, n = rec.masks[rec.used]
-            rec.used += 1
-            shape = (*query.shape[:-1], key.shape[-2])
-            keep = compressor.unpack_mask(bits, n, shape)
         return _Placeholder.apply(query, key, value, attn_mask, keep, dropout_p, is_causal, scale, enable_gqa)

@@ -4,23 +4,27 @@ An :class:`Entry` is either a :class:`~hf_division.compressor.Packed` tensor or 
 ``fn(parent)`` (e.g. a LayerNorm output is rebuilt from its compressed input). The registry maps a
 *live* tensor to its entry so that the next op saving the same tensor reuses it. It is keyed on
 ``id(t)`` and validated through a weak reference to ``t``: keying on ``data_ptr`` is unsafe because
-memory freed during the forward is reused at the same address for another tensor.
+memory freed during the forward is reused at the same address for another tensor (docs/DESIGN.md,
+"One copy per tensor, keyed on a live reference"). Rounding noise comes from :mod:`hf_division.noise`, byte accounting is
+:mod:`hf_division.accounting`.
 """
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import weakref
 from typing import Callable
 
 import torch
 
-from . import compressor
+from .accounting import account
+from .compressor import Packed, compress, decompress
 from .config import DivisionConfig
+from .noise import generator
+from .quant import pack_mask, unpack_mask
 
 
 class Entry:
-    """A saved activation held for backward. ``get()`` rebuilds it; ``done()`` marks one use."""
+    """A saved activation held for backward. ``take()`` rebuilds it for one consumer."""
 
     __slots__ = ("packed", "parents", "fn", "kind", "extra", "sign", "uses", "users", "_cache", "freed", "__weakref__")
 
@@ -32,7 +36,13 @@ class Entry:
         self.users = 0  # consumers in all
         self._cache = None
         self.freed = False
-        _account(self)
+        account([self])
+
+    def take(self) -> torch.Tensor:
+        """The rebuilt tensor for one consumer's backward (which then counts as done with it)."""
+        value = self.get()
+        self.done()
+        return value
 
     def get(self) -> torch.Tensor:
         """The rebuilt tensor; kept until its last consumer is done so it is decompressed once."""
@@ -44,13 +54,11 @@ class Entry:
                 "frees saved tensors); call backward(retain_graph=True) to backpropagate through it twice"
             )
         if self.packed is not None:
-            value = compressor.decompress(self.packed)
+            value = decompress(self.packed)
             if self.sign is not None:
-                value = _with_sign(value, compressor.unpack_mask(*self.sign, value.shape))
+                value = _with_sign(value, unpack_mask(*self.sign, value.shape))
         else:
-            value = self.fn(*(p.get() for p in self.parents))
-            for p in self.parents:
-                p.done()
+            value = self.fn(*(p.take() for p in self.parents))
         if self.uses > 1:
             self._cache = value
         return value
@@ -59,7 +67,7 @@ class Entry:
         """One consumer's backward has used it. After the last one the compressed copy is freed
         too, unless this backward retains the graph: autograd keeps the Functions' contexts (and so
         these entries) until the whole backward ends, so without this memory grew layer by layer
-        during backward (docs/DESIGN.md)."""
+        during backward (docs/DESIGN.md, "One copy per tensor, keyed on a live reference")."""
         self.uses -= 1
         if self.uses <= 0:
             self._cache = None
@@ -80,6 +88,22 @@ class Entry:
         own = p.storages() if p is not None else []
         own += [self.sign[0]] if self.sign is not None else []
         return own + list(self.extra)
+
+
+def _backward_keeps_graph() -> bool | None:
+    """Whether the running backward retains the graph; None outside a backward (or if unknown)."""
+    try:
+        if torch._C._current_graph_task_id() == -1:
+            return None
+        return bool(torch._C._autograd._get_current_graph_task_keep_graph())
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _with_sign(value: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
+    """Move rebuilt values that crossed 0 back to the side the original was on."""
+    tiny = torch.finfo(value.dtype).tiny
+    return torch.where(positive.bool(), value.clamp(min=tiny), value.clamp(max=0))
 
 
 # ----------------------------------------------------------------------------- recomputation
@@ -105,21 +129,17 @@ def recomputing():
 _live: dict[int, tuple[weakref.ref, int, Entry]] = {}
 
 
+def live_count() -> int:
+    """How many live tensors the registry maps to entries (a leak check)."""
+    return len(_live)
+
+
 def lookup(t: torch.Tensor) -> Entry | None:
+    """The entry holding the live tensor ``t`` (unmodified since), or None."""
     rec = _live.get(id(t))
     if rec is not None and rec[0]() is t and rec[1] == t._version and not rec[2].freed:
         return rec[2]
     return None
-
-
-def _backward_keeps_graph() -> bool | None:
-    """Whether the running backward retains the graph; None outside a backward (or if unknown)."""
-    try:
-        if torch._C._current_graph_task_id() == -1:
-            return None
-        return bool(torch._C._autograd._get_current_graph_task_keep_graph())
-    except (AttributeError, RuntimeError):
-        return None
 
 
 def register(t: torch.Tensor, entry: Entry) -> None:
@@ -130,12 +150,6 @@ def register(t: torch.Tensor, entry: Entry) -> None:
             del _live[key]
 
     _live[key] = (weakref.ref(t, _drop), t._version, entry)
-
-
-def _with_sign(value: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
-    """Move rebuilt values that crossed 0 back to the side the original was on."""
-    tiny = torch.finfo(value.dtype).tiny
-    return torch.where(positive.bool(), value.clamp(min=tiny), value.clamp(max=0))
 
 
 def keep(t: torch.Tensor, kind: str, config: DivisionConfig, exact_sign: bool = False) -> Entry:
@@ -149,7 +163,7 @@ def keep(t: torch.Tensor, kind: str, config: DivisionConfig, exact_sign: bool = 
         entry = _keep_row_scaled(t, kind, config)
     if entry is None:
         packed = pack(t, kind, config)
-        sign = compressor.pack_mask(t > 0) if exact_sign and packed.bits else None
+        sign = pack_mask(t > 0) if exact_sign and packed.bits else None
         entry = Entry(kind, packed=packed, sign=sign)
         register(t, entry)
     entry.add_user()
@@ -160,10 +174,10 @@ def _keep_row_scaled(t: torch.Tensor, kind: str, config: DivisionConfig) -> Entr
     """``t`` ``(..., T, C)`` kept as its per-row (token) RMS, exact in float32, times the
     compressed rows divided by it. For the residual stream (norm inputs): a norm normalizes each
     token, so each token's error should be relative to its own scale, not to its block's or
-    group's. Rows of other scales otherwise lose their value: LLMs' "massive activations" (~100x
-    the median RMS on the first tokens) set the LFC and group ranges of their neighbours
-    (SmolLM2-135M: gradient cosine ~0.8 -> 0.96), and ViT's [CLS] or mask-token rows, several
-    times smaller than the patches, drown in them. Costs ``4 / (C / 2)`` of the 4-bit codes."""
+    group's. Rows of other scales otherwise lose their value: LLMs' "massive activations" on the
+    first tokens set the LFC and group ranges of their neighbours, and ViT's [CLS] or mask-token
+    rows, several times smaller than the patches, drown in them (docs/ARCHITECTURES.md, "ViT"; docs/DESIGN.md, "Policy").
+    Costs ``4 / (C / 2)`` of the 4-bit codes."""
     if t.numel() < config.min_numel or t.dim() < 2 or not t.is_floating_point():
         return None
     x, dtype = t.detach(), t.dtype  # the recipe must not reference ``t``: that would keep it alive
@@ -192,90 +206,10 @@ def _release_unused(ref):
             parent.done()
 
 
-# ----------------------------------------------------------------------------- rounding noise
-# Noise comes from generators of our own (one per device), so the model's RNG stream (dropout) is
-# untouched and the training forward stays bit-identical. They follow torch's seed: a new
-# ``torch.initial_seed()`` (``torch.manual_seed`` / ``set_seed`` with another seed) restarts them.
-# Re-seeding torch with the *same* seed is invisible from here, so training loops restart the
-# noise explicitly with ``reseed(step_seed(seed, step, rank))`` at every optimizer step (the
-# Trainer's DivisionCallback, ``hf_division.accelerate.reseed_for_step``): a run resumed from a
-# checkpoint then draws, from the resumed step on, the noise of the uninterrupted run.
-_noise = {"base": None, "seed": 0}  # base: torch.initial_seed() when last (re)seeded
-_generators: dict[torch.device, torch.Generator] = {}
-
-
-def reseed(seed: int) -> None:
-    """Restart the rounding noise of every device from ``seed`` (an int; 48 bits are used)."""
-    _noise.update(base=torch.initial_seed(), seed=int(seed))
-    _generators.clear()
-
-
-def step_seed(seed: int, step: int, rank: int = 0) -> int:
-    """The noise seed of optimizer step ``step`` on process ``rank`` of a run seeded with ``seed``
-    (a hash: neighbouring steps and ranks get unrelated streams)."""
-    digest = hashlib.blake2b(f"{int(seed)}/{int(step)}/{int(rank)}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
-
-
-def noise_generator(device: torch.device) -> torch.Generator:
-    """The rounding-noise generator for ``device`` (see the comment above)."""
-    base = torch.initial_seed()
-    if _noise["base"] != base:
-        reseed(base)
-    gen = _generators.get(device)
-    if gen is None:
-        gen = _generators[device] = torch.Generator(device=device)
-        gen.manual_seed((_noise["seed"] ^ 0x5EED_D1F1) & 0xFFFF_FFFF_FFFF)
-    return gen
-
-
-def pack(t: torch.Tensor, kind: str, config: DivisionConfig) -> compressor.Packed:
-    bits = config.bits(kind)
+def pack(t: torch.Tensor, kind: str, config: DivisionConfig) -> Packed:
+    """``t`` compressed as ``config`` says for ``kind`` (kept as it is when too small or not float)."""
+    args = config.compressor_args(kind)
     if t.numel() < config.min_numel or not t.is_floating_point():
-        bits = 0
-    return compressor.compress(
-        t.detach(),
-        bits=bits,
-        block_size=config.effective_block_size,
-        group_size=config.group_size,
-        lfc_dtype=config.torch_lfc_dtype,
-        token_dim=-2 if t.dim() >= 2 else None,
-        stochastic=config.rounding == "stochastic",
-        generator=noise_generator(t.device),
-        outlier_ratio=config.effective_outlier_ratio,
-        grouping="flat" if config.method == "actnn" else "tokens",
-    )
-
-
-# ----------------------------------------------------------------------------- accounting
-_accounting: list | None = None
-
-
-def _account(entry: Entry) -> None:
-    if _accounting is not None:
-        _accounting.append((weakref.ref(entry), None))
-
-
-def account_tensors(tensors, kind: str) -> None:
-    """Report tensors an op holds for backward outside any entry (masks, RNG states)."""
-    if _accounting is not None:
-        _accounting.extend((weakref.ref(t), kind) for t in tensors)
-
-
-def start_accounting() -> None:
-    global _accounting
-    _accounting = []
-
-
-def stop_accounting() -> list[tuple[torch.Tensor, str]]:
-    """``(tensor, kind)`` for what ops created since ``start_accounting`` still hold."""
-    global _accounting
-    refs, _accounting = _accounting or [], None
-    held = []
-    for ref, kind in refs:
-        obj = ref()
-        if isinstance(obj, Entry):
-            held.extend((t, obj.kind) for t in obj.tensors())
-        elif obj is not None:
-            held.append((obj, kind))
-    return held
+        args["bits"] = 0
+    token_dim = -2 if t.dim() >= 2 else None
+    return compress(t.detach(), token_dim=token_dim, generator=generator(t.device), **args)

@@ -11,23 +11,25 @@ checkpoints are plain Transformers ones. :class:`DivisionCallback` does the same
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 import transformers
 
-from . import store
+from .api import apply_division
 from .config import DivisionConfig
-from .patching import apply_division
+from .noise import reseed, step_seed
 
 PREFIX = "division_"
 
 
 def _division_fields():
-    out = [("division", bool, dataclasses.field(default=False, metadata={"help": "Compress saved activations (hf-division)."}))]
+    """``division`` plus one ``division_<field>`` per config field, with its type, default and help."""
+    out = [("division", bool, dataclasses.field(default=False, metadata={
+        "help": "hf-division: keep the activations saved for backward compressed (DIVISION)."}))]
+    types = typing.get_type_hints(DivisionConfig)
     for f in dataclasses.fields(DivisionConfig):
-        out.append(
-            (PREFIX + f.name, f.type if not isinstance(f.type, str) else eval(f.type),  # noqa: S307 - our own annotations
-             dataclasses.field(default=f.default, metadata={"help": f"DivisionConfig.{f.name} (hf-division)."}))
-        )
+        help_text = f"hf-division: {f.metadata['help']}"
+        out.append((PREFIX + f.name, types[f.name], dataclasses.field(default=f.default, metadata={"help": help_text})))
     return out
 
 
@@ -75,10 +77,11 @@ class DivisionCallback(transformers.TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         if getattr(args, "division", False):
-            store.reseed(store.step_seed(args.seed, state.global_step, args.process_index))
+            reseed(step_seed(args.seed, state.global_step, args.process_index))
 
 
-def _add_callback(trainer) -> None:
+def add_division_callback(trainer) -> None:
+    """Install :class:`DivisionCallback` on ``trainer`` once."""
     if not any(isinstance(cb, DivisionCallback) for cb in trainer.callback_handler.callbacks):
         trainer.add_callback(DivisionCallback)
 
@@ -88,7 +91,7 @@ class Trainer(transformers.Trainer):
 
     def train(self, *args, **kwargs):
         _apply(self.model, self.args)
-        _add_callback(self)
+        add_division_callback(self)
         return super().train(*args, **kwargs)
 
 
@@ -97,5 +100,5 @@ class Seq2SeqTrainer(transformers.Seq2SeqTrainer):
 
     def train(self, *args, **kwargs):
         _apply(self.model, self.args)
-        _add_callback(self)
+        add_division_callback(self)
         return super().train(*args, **kwargs)

@@ -1,4 +1,8 @@
 """BERT family (bert, roberta, xlm-roberta, electra): post-LN encoder, GELU MLP, all heads."""
-from .common import encoder_patcher
+from hf_division.registry import register
 
-apply_division_to_bert = encoder_patcher()
+from .common import ENCODER_DEFAULTS, encoder_patcher
+
+apply_division_to_bert = register("bert", "roberta", "xlm-roberta", "electra", defaults=ENCODER_DEFAULTS)(
+    encoder_patcher()
+)

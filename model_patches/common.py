@@ -1,4 +1,4 @@
-"""Pieces the architecture patchers share."""
+"""Pieces the architecture patchers share: patcher factories and the measured family defaults."""
 from torch import nn
 from transformers.activations import ACT2CLS
 
@@ -6,6 +6,17 @@ from hf_division.patching import patch_gated_mlp, patch_modules, use_attention_i
 
 #: activation modules Transformers builds from ``config.hidden_act``
 ACTIVATIONS = tuple({cls if isinstance(cls, type) else cls[0] for cls in ACT2CLS.values()})
+
+#: Pretrained decoder LLMs need more bits for what feeds the attention recomputation and the MLP
+#: activation: measured on real SmolLM2-135M (docs/ARCHITECTURES.md, "Real pretrained decoder weights"; command:
+#: ``python -m hf_division.suites family --smollm2 ...``). Random-init models cannot show it, so the
+#: other decoder families take the measured Llama setting by analogy. T5 too: it does not scale q.k
+#: by 1/sqrt(d), and gated-GELU T5 (v1.1, Flan) needed 8 bits there as well.
+DECODER_DEFAULTS = {"attention_bits": 8, "activation_bits": 8}
+#: BERT-family encoders: no token of real MiniLM's activations reaches the outlier ratio (the bytes
+#: held are the same with and without the search), and the search is one more pass over every
+#: saved tensor: skipped (docs/DESIGN.md, "Policy").
+ENCODER_DEFAULTS = {"outlier_ratio": 0.0}
 
 
 def encoder_patcher(norm_types=(nn.LayerNorm,), conv1d_types=()):

@@ -1,6 +1,8 @@
 """Gemma2: (1 + weight) RMSNorm before and after each block, gated MLP, rotary attention with soft-capping through the attention interface."""
 from transformers.models.gemma2.modeling_gemma2 import Gemma2MLP, Gemma2RMSNorm
 
-from .common import gated_decoder_patcher
+from hf_division.registry import register
 
-apply_division_to_gemma2 = gated_decoder_patcher(Gemma2RMSNorm, Gemma2MLP)
+from .common import DECODER_DEFAULTS, gated_decoder_patcher
+
+apply_division_to_gemma2 = register("gemma2", defaults=DECODER_DEFAULTS)(gated_decoder_patcher(Gemma2RMSNorm, Gemma2MLP))

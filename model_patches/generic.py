@@ -11,6 +11,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from hf_division.patching import patch_gated_mlp, patch_modules, use_attention_interface
+from hf_division.registry import register_fallback
 
 from .common import ACTIVATIONS
 
@@ -27,6 +28,7 @@ def _uses_attention_interface(model: nn.Module) -> bool:
     return any(hasattr(sys.modules[type(m).__module__], "ALL_ATTENTION_FUNCTIONS") for m in model.modules())
 
 
+@register_fallback
 def apply_division_generic(model, state):
     for module in model.modules():
         if _is_gated_mlp(module):

@@ -1,6 +1,8 @@
 """GPT-2: projections are ``Conv1D`` (weight stored in x out), GELU-new MLP."""
 from transformers.pytorch_utils import Conv1D
 
-from .common import encoder_patcher
+from hf_division.registry import register
 
-apply_division_to_gpt2 = encoder_patcher(conv1d_types=(Conv1D,))
+from .common import DECODER_DEFAULTS, encoder_patcher
+
+apply_division_to_gpt2 = register("gpt2", defaults=DECODER_DEFAULTS)(encoder_patcher(conv1d_types=(Conv1D,)))

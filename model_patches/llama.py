@@ -1,6 +1,8 @@
 """Llama: RMSNorm, gated MLP, rotary attention (grouped-query) through the attention interface."""
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
-from .common import gated_decoder_patcher
+from hf_division.registry import register
 
-apply_division_to_llama = gated_decoder_patcher(LlamaRMSNorm, LlamaMLP)
+from .common import DECODER_DEFAULTS, gated_decoder_patcher
+
+apply_division_to_llama = register("llama", defaults=DECODER_DEFAULTS)(gated_decoder_patcher(LlamaRMSNorm, LlamaMLP))

@@ -1,5 +1,8 @@
-"""OPT: pre-LN decoder, ReLU MLP. Its hidden dropout is functional (``F.dropout``), so those masks
-stay float tensors (only ``nn.Dropout`` modules are stored as bits)."""
-from .common import encoder_patcher
+"""OPT: pre-LN decoder, ReLU MLP. Its hidden dropout is functional (``F.dropout``): the root
+patch routes every ``F.dropout`` of a training forward to bit-packed masks, so those masks are
+stored as bits like ``nn.Dropout``'s (``hf_division.patching.patch_root``)."""
+from hf_division.registry import register
 
-apply_division_to_opt = encoder_patcher()
+from .common import DECODER_DEFAULTS, encoder_patcher
+
+apply_division_to_opt = register("opt", defaults=DECODER_DEFAULTS)(encoder_patcher())

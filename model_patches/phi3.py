@@ -1,6 +1,8 @@
 """Phi-3: like Llama, but one fused ``gate_up_proj`` and ``up * act(gate)`` in that order."""
 from transformers.models.phi3.modeling_phi3 import Phi3MLP, Phi3RMSNorm
 
-from .common import gated_decoder_patcher
+from hf_division.registry import register
 
-apply_division_to_phi3 = gated_decoder_patcher(Phi3RMSNorm, Phi3MLP, up_first=True)
+from .common import DECODER_DEFAULTS, gated_decoder_patcher
+
+apply_division_to_phi3 = register("phi3", defaults=DECODER_DEFAULTS)(gated_decoder_patcher(Phi3RMSNorm, Phi3MLP, up_first=True))

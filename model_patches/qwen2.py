@@ -1,6 +1,8 @@
 """Qwen2: RMSNorm, gated MLP, rotary attention (grouped-query) through the attention interface."""
 from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP, Qwen2RMSNorm
 
-from .common import gated_decoder_patcher
+from hf_division.registry import register
 
-apply_division_to_qwen2 = gated_decoder_patcher(Qwen2RMSNorm, Qwen2MLP)
+from .common import DECODER_DEFAULTS, gated_decoder_patcher
+
+apply_division_to_qwen2 = register("qwen2", defaults=DECODER_DEFAULTS)(gated_decoder_patcher(Qwen2RMSNorm, Qwen2MLP))

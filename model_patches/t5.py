@@ -7,39 +7,37 @@ embedding still gets its gradient. The bias is ``(1, heads, T, T)``, computed on
 shared by its layers, so it is kept as it is (one copy per stack). Cross-attention keys/values are
 the encoder output, kept compressed once and shared by every decoder layer's k and v projections.
 The gated feed-forward differs from Llama's only in names and in a dropout between the product and
-``wo``, so it gets its own small wrapper around the shared ``GatedFn``.
+``wo``, so it gets its own small wrapper around the shared ``gated_product``.
 """
-import types
-
 import torch
-
 from transformers.models.t5.modeling_t5 import T5DenseGatedActDense, T5LayerNorm
 
-from hf_division.functions import GatedFn
-from hf_division.patching import _training, _wrap, config_for
+from hf_division.patching import config_for, gated_product, in_training, unpatched_forward, wrap_forward
+from hf_division.registry import register
 
-from .common import encoder_patcher
+from .common import DECODER_DEFAULTS, encoder_patcher
 
 
 def _patch_gated_ff(state, ff: T5DenseGatedActDense) -> None:
     """``wo(dropout(act(wi_0(x)) * wi_1(x)))``: gate and up kept compressed once, product derived."""
     config = config_for(state, ff)
-    act_forward = types.MethodType(type(ff.act).forward, ff.act)  # unpatched: recomputed in backward
+    act_forward = unpatched_forward(ff.act)  # recomputed in backward
 
     def make(orig):
         def forward(self, x):
-            if not (_training(self) and config.bits("activation")):
+            if not (in_training(self) and config.bits("activation")):
                 return orig(x)
-            h = self.dropout(GatedFn.apply(act_forward, False, config, self.wi_0(x), self.wi_1(x)))
+            h = self.dropout(gated_product(act_forward, False, config, self.wi_0(x), self.wi_1(x)))
             if h.dtype != self.wo.weight.dtype and self.wo.weight.dtype != torch.int8:
                 h = h.to(self.wo.weight.dtype)  # T5 keeps ``wo`` in float32 (as the original forward)
             return self.wo(h)
 
         return forward
 
-    _wrap(state, ff, make)
+    wrap_forward(state, ff, make)
 
 
+@register("t5", defaults=DECODER_DEFAULTS)
 def apply_division_to_t5(model, state):
     for module in model.modules():
         if isinstance(module, T5DenseGatedActDense):

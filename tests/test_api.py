@@ -4,7 +4,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_division as hd
-from hf_division import store
+from hf_division.accounting import recorded, start_accounting, stop_accounting
+from hf_division.api import division_config_of
+from hf_division.registry import Family, family, family_defaults
+from hf_division.store import keep, lookup
 from hf_division.config import DivisionConfig
 from hf_division.fidelity import flat_grad, gradient_cosine
 
@@ -40,7 +43,6 @@ def test_reapply_with_other_config_repatches(batch):
     model = tiny_model("bert")
     hd.apply_division(model, DivisionConfig(linear_bits=4))
     hd.apply_division(model, DivisionConfig(linear_bits=8))
-    from hf_division.patching import division_config_of
 
     assert division_config_of(model).linear_bits == 8
     hd.remove_division(model)
@@ -48,13 +50,13 @@ def test_reapply_with_other_config_repatches(batch):
 
 
 def test_failed_patch_leaves_nothing(monkeypatch):
-    import model_patches
+    real = family("bert")
 
     def broken(model, state):
-        model_patches.PATCHERS["distilbert"](model, state)
+        real.apply(model, state)  # patches every module, then fails
         raise RuntimeError("boom")
 
-    monkeypatch.setitem(model_patches.PATCHERS, "bert", broken)
+    monkeypatch.setattr(hd.api, "family", lambda model_type: Family(broken, real.defaults))
     model = tiny_model("bert")
     impl = model.config._attn_implementation
     with pytest.raises(RuntimeError):
@@ -66,18 +68,18 @@ def test_failed_patch_leaves_nothing(monkeypatch):
 def test_shared_tensor_stored_once_and_keyed_on_live_reference():
     cfg = DivisionConfig()
     x = torch.randn(2, 64, 64)
-    a = store.keep(x, "linear", cfg)
-    b = store.keep(x, "linear", cfg)
+    a = keep(x, "linear", cfg)
+    b = keep(x, "linear", cfg)
     assert a is b and a.uses == 2
     x.add_(1)  # modified in place: a stale copy must not be reused
-    assert store.lookup(x) is None
+    assert lookup(x) is None
     # memory freed in the forward is reused at the same address for another tensor
     y = torch.randn(4096)
-    store.keep(y, "linear", cfg)
+    keep(y, "linear", cfg)
     del y
     z = torch.randn(4096)
     # whether or not the allocator reused the block (z.data_ptr() == ptr), z must not match
-    assert store.lookup(z) is None
+    assert lookup(z) is None
 
 
 def test_qkv_share_one_copy():
@@ -85,9 +87,9 @@ def test_qkv_share_one_copy():
     batch = tiny_batch(batch=2, seq=64)
     model.train()
     hd.apply_division(model, DivisionConfig(attention_bits=0, norm_bits=0, activation_bits=0))
-    store.start_accounting()
+    start_accounting()
     out = model(**batch)
-    held = store.stop_accounting()
+    held = stop_accounting()
     linear = [t for t, k in held if k == "linear"]
     # per layer: one copy for the q/k/v input and one each for the other 3 linear inputs (6
     # linears); pooler/classifier inputs are below min_numel and kept as they are
@@ -97,7 +99,7 @@ def test_qkv_share_one_copy():
 
 
 def test_dropout_mask_is_bits():
-    from hf_division.functions import DropoutFn
+    from hf_division.ops import DropoutFn
 
     x = torch.randn(3, 50, 64, requires_grad=True)
     torch.manual_seed(0)
@@ -162,10 +164,10 @@ def test_functional_dropout_kept_as_bits():
     torch.manual_seed(0)
     ref = model(**batch).logits
     hd.apply_division(model)
-    store.start_accounting()
+    start_accounting()
     torch.manual_seed(0)
     out = model(**batch)
-    held = store.stop_accounting()
+    held = stop_accounting()
     assert torch.equal(out.logits, ref)
     masks = [t for t, k in held if k == "dropout"]
     # 2 layers x 2 hidden dropouts, each (2, 64, 64) elements as bits
@@ -173,12 +175,12 @@ def test_functional_dropout_kept_as_bits():
 
 
 def test_unset_bits_take_the_family_default_and_explicit_bits_win():
-    from hf_division.config import DEFAULT_BITS, FAMILY_DEFAULTS
+    from hf_division.config import DEFAULT_BITS
 
     cfg = DivisionConfig()
     assert cfg.bits("attention") == DEFAULT_BITS["attention"]  # unresolved: the generic default
     llama = cfg.resolved("llama")
-    assert llama.attention_bits == FAMILY_DEFAULTS["llama"]["attention_bits"] == 8 and llama.linear_bits == 4
+    assert llama.attention_bits == family_defaults("llama")["attention_bits"] == 8 and llama.linear_bits == 4
     assert cfg.resolved("bert") == DivisionConfig(linear_bits=4, attention_bits=4, activation_bits=4, norm_bits=4,
                                                   outlier_ratio=0)
     assert cfg.resolved("llama").outlier_ratio == cfg.effective_outlier_ratio == 16
@@ -189,16 +191,13 @@ def test_unset_bits_take_the_family_default_and_explicit_bits_win():
 
 
 def test_compressed_copies_freed_after_last_use_unless_graph_retained():
-    from hf_division import store
-
     model, batch = tiny_model("bert"), tiny_batch(model_type="bert")
     hd.apply_division(model, DivisionConfig(min_numel=0))
     model.train()
-    store.start_accounting()
+    start_accounting()
     loss = model(**batch).loss
-    refs = [ref for ref, kind in store._accounting if kind is None]
-    store.stop_accounting()
-    entries = [r() for r in refs if r() is not None]
+    entries = [o for o in recorded() if not isinstance(o, torch.Tensor)]
+    stop_accounting()
     assert entries and not any(e.freed for e in entries)
     loss.backward(retain_graph=True)  # kept for a second backward
     first = [p.grad.clone() for p in model.parameters() if p.grad is not None]

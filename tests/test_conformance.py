@@ -121,7 +121,7 @@ def test_trainer_three_steps(model_type, tmp_path):
     from datasets import Dataset
 
     from hf_division import Trainer, TrainingArguments
-    from hf_division.patching import division_config_of
+    from hf_division.api import division_config_of
 
     model = tiny_model(model_type, "eager")
     data = Dataset.from_dict({k: v.tolist() for k, v in tiny_batch(batch=12, seq=32, seed=2, model_type=model_type).items()})

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 import hf_division as hd
-from hf_division import functions
+from hf_division.ops import elementwise_grad, use_fast_sdpa_backward
 from hf_division.fidelity import flat_grad
 from hf_division.sdpa_backward import sdpa_grads
 
@@ -76,11 +76,11 @@ def test_attention_fn_fast_path_matches_recomputation(model_type, monkeypatch):
     fast = flat_grad(model, batch, 0)
     # the fast path ran once per layer, with the recorded dropout bits where there is dropout
     assert calls == [model_type == "bert"] * model.config.num_hidden_layers
-    functions._FAST_SDPA["enabled"] = False
+    use_fast_sdpa_backward(False)
     try:
         slow = flat_grad(model, batch, 0)
     finally:
-        functions._FAST_SDPA["enabled"] = True
+        use_fast_sdpa_backward(True)
     assert torch.isfinite(fast).all()
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-6)
     assert not torch.equal(fast, torch.zeros_like(fast))
@@ -90,17 +90,15 @@ def test_activation_direct_backward_matches_autograd():
     from torch import nn
     from transformers.activations import GELUActivation, NewGELUActivation, SiLUActivation
 
-    from hf_division.functions import _elementwise_grad
-
     x = torch.randn(4, 16, 32, requires_grad=True)
     g = torch.randn(4, 16, 32)
     for module in (nn.GELU(), nn.GELU(approximate="tanh"), GELUActivation(), nn.SiLU(), SiLUActivation()):
-        direct = _elementwise_grad(module.forward)
+        direct = elementwise_grad(module.forward)
         assert direct is not None, module
         (ref,) = torch.autograd.grad(module(x), x, g)
         torch.testing.assert_close(direct(g, x.detach()), ref)
     for module in (NewGELUActivation(), nn.ReLU(), nn.LayerNorm(32), GELUActivation(use_gelu_python=True)):
-        assert _elementwise_grad(module.forward) is None, module
+        assert elementwise_grad(module.forward) is None, module
 
 
 @pytest.mark.parametrize("mask", [None, "bool", "float", "broadcast"])
@@ -115,7 +113,7 @@ def test_chunked_over_batch_matches_one_pass(monkeypatch, mask, gqa):
     keep = (torch.rand(2, 4, 24, 24, generator=torch.Generator().manual_seed(2)) > 0.25).to(torch.uint8)
     args = (q.detach(), k.detach(), v.detach(), dout, m, keep, 0.25, False, 0.3, gqa)
     whole = sdpa_grads(*args)
-    monkeypatch.setattr(sdpa_backward, "_CHUNK_BYTES", 1)  # one item per chunk
+    monkeypatch.setattr(sdpa_backward, "CHUNK_BYTES", 1)  # one item per chunk
     chunked = sdpa_grads(*args)
     for a, b in zip(chunked, whole):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -1,7 +1,7 @@
 """Mixed precision: bf16/fp16 saved tensors, fp16 range, autocast in backward recomputation.
 
 Figures on real MiniLM and the full Llama-shaped model: ``python scripts/mixed_precision.py``
-(docs/SCALE.md). Here: tiny-but-shaped configs, CPU autocast.
+(docs/GUIDE.md, "Mixed precision"). Here: tiny-but-shaped configs, CPU autocast.
 """
 import dataclasses
 
@@ -191,7 +191,7 @@ def test_trainer_division_checkpointing_bf16_together(tmp_path, monkeypatch):
     result = trainer.train()
     handle.remove()
     assert result.global_step == 2 and torch.isfinite(torch.tensor(result.training_loss))
-    assert hd.patching.division_config_of(model) is not None and model.is_gradient_checkpointing
+    assert hd.api.division_config_of(model) is not None and model.is_gradient_checkpointing
     assert set(dtypes) == {torch.bfloat16}  # forward and checkpoint recomputation under autocast
     # compressed: the checkpointed layers' boundary inputs (norm) and what the head keeps
     assert ("norm", torch.float32) in packed or ("norm", torch.bfloat16) in packed, packed
@@ -212,7 +212,7 @@ def test_lora_under_bf16_autocast():
 
 
 def test_trainer_fp16_on_cpu_runs_float32(tmp_path):
-    """Documents why fp16 is "unsupported on CPU" in docs/SCALE.md: Accelerate only autocasts fp16 on
+    """Documents why fp16 is "unsupported on CPU" in docs/GUIDE.md ("Support matrix"): Accelerate only autocasts fp16 on
     accelerators, so TrainingArguments(fp16=True, use_cpu=True) trains in float32."""
     model = minilm_like("sdpa")
     rows = batch_for(model, batch=4, seq=32, seed=6)

@@ -6,7 +6,7 @@ from transformers import AutoModelForSequenceClassification, HfArgumentParser
 
 import hf_division as hd
 from hf_division import Trainer, TrainingArguments
-from hf_division.patching import division_config_of
+from hf_division.api import division_config_of
 
 from conftest import tiny_batch, tiny_model
 
