@@ -1,0 +1,193 @@
+"""The project's structure rules (docs/DESIGN.md, "Layering"), checked on the source with ``ast``:
+dependencies flow one way, no private name crosses a module, no ``sys.path`` edits or scripts
+loaded by path, short functions and modules, and a config that names no model type."""
+import ast
+import os
+
+import pytest
+
+import hf_division
+from hf_division.registry import family
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("hf_division", "model_patches")
+CHECKED = PACKAGES + ("scripts", "tests")
+
+
+def _files(folders):
+    for folder in folders:
+        for dirpath, _, names in os.walk(os.path.join(ROOT, folder)):
+            for name in sorted(names):
+                if name.endswith(".py"):
+                    yield os.path.join(dirpath, name)
+
+
+def _module_name(path: str) -> str:
+    rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+    return rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
+
+
+def _parse(path: str) -> ast.Module:
+    with open(path, encoding="utf-8") as f:
+        return ast.parse(f.read(), filename=path)
+
+
+MODULES = {_module_name(p): p for p in _files(PACKAGES)}
+
+
+def _is_package(name: str) -> bool:
+    return MODULES.get(name, "").endswith("__init__.py")
+
+
+def _imports(name: str, tree: ast.Module):
+    """``(imported module, imported names)`` for every import statement, at any depth."""
+    package = name if _is_package(name) else name.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, ()
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            yield base, tuple(a.name for a in node.names)
+
+
+def _edges(name: str, tree: ast.Module) -> set:
+    """Project modules ``name`` imports (``from pkg import sub`` counts as importing ``pkg.sub``)."""
+    out = set()
+    for module, names in _imports(name, tree):
+        subs = [f"{module}.{n}" for n in names if f"{module}.{n}" in MODULES]
+        if subs:
+            out.update(subs)
+        elif module in MODULES:
+            out.add(module)
+    out.discard(name)
+    return out
+
+
+def _cycles(graph: dict) -> list:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle():
+    graph = {name: _edges(name, _parse(path)) for name, path in MODULES.items()}
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_check_can_fail():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _project_aliases(name: str, tree: ast.Module) -> set:
+    """Local names bound to project modules (``import hf_division as hd``, ``from x import store``)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update((a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] in PACKAGES)
+        elif isinstance(node, ast.ImportFrom):
+            for module, names in _imports(name, ast.Module(body=[node], type_ignores=[])):
+                out.update(a.asname or a.name for a in node.names if f"{module}.{a.name}" in MODULES)
+    return out
+
+
+def test_no_private_name_crosses_a_module():
+    bad = []
+    for path in _files(CHECKED):
+        name, tree = _module_name(path), _parse(path)
+        for module, names in _imports(name, tree):
+            if module.split(".")[0] in PACKAGES and module != name:
+                bad += [f"{path}: from {module} import {n}" for n in names if _private(n)]
+        aliases = _project_aliases(name, tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _private(node.attr):
+                root = node.value
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if isinstance(root, ast.Name) and root.id in aliases:
+                    bad.append(f"{path}:{node.lineno}: .{node.attr}")
+    assert bad == []
+
+
+#: the one place that sets sys.path: ``hf-division run SCRIPT`` runs a user's script as
+#: ``python SCRIPT`` would, with the script's folder first on the path (docs/GUIDE.md, "Fine-tuning scripts")
+SYS_PATH_ALLOWED = {os.path.join("hf_division", "run.py")}
+
+
+def test_no_sys_path_edits_and_no_script_loaded_by_path():
+    bad = []
+    for path in _files(CHECKED):
+        rel = os.path.relpath(path, ROOT)
+        for node in ast.walk(_parse(path)):
+            if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", None) == "sys":
+                if rel not in SYS_PATH_ALLOWED:
+                    bad.append(f"{rel}:{node.lineno}: sys.path")
+            if isinstance(node, ast.Attribute) and node.attr in ("spec_from_file_location", "SourceFileLoader"):
+                bad.append(f"{rel}:{node.lineno}: {node.attr}")
+            if isinstance(node, ast.Attribute) and node.attr == "run_path" and not rel.startswith("hf_division"):
+                bad.append(f"{rel}:{node.lineno}: runpy.run_path")
+    assert bad == []
+
+
+def test_functions_and_modules_are_short():
+    long = []
+    for path in _files(PACKAGES):
+        rel = os.path.relpath(path, ROOT)
+        tree = _parse(path)
+        with open(path, encoding="utf-8") as f:
+            lines = sum(1 for _ in f)
+        if lines > 450:
+            long.append(f"{rel}: {lines} lines")
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+                if node.end_lineno - first + 1 > 80:
+                    long.append(f"{rel}:{node.lineno}: {node.name} {node.end_lineno - first + 1} lines")
+    assert long == []
+
+
+def test_config_names_no_model_type():
+    with open(os.path.join(ROOT, "hf_division", "config.py"), encoding="utf-8") as f:
+        source = f.read()
+    named = [t for t in hf_division.supported_model_types() if f'"{t}"' in source or f"'{t}'" in source]
+    assert named == []
+
+
+@pytest.mark.parametrize("model_type", hf_division.supported_model_types())
+def test_every_family_module_registers_itself(model_type):
+    apply = family(model_type).apply
+    assert apply.__module__.startswith("model_patches.")
