@@ -19,7 +19,7 @@ from sklearn.metrics import accuracy_score
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
 from . import Trainer, TrainingArguments, measure_activation_memory
-from .minilm import minilm_path
+from .zoo import minilm_path
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 

@@ -1,21 +1,44 @@
 """Gradient fidelity: cosine between the exact gradient and the division gradient."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from . import store
 from .config import DivisionConfig
 from .patching import apply_division, remove_division, restored_division
 
 
-def flat_grad(model: torch.nn.Module, inputs: dict, seed: int) -> torch.Tensor:
-    """All parameter gradients of one training step on ``inputs`` (``labels`` included), flattened."""
+def flat_grad(model: torch.nn.Module, inputs: dict, seed: int, autocast: torch.dtype | None = None, *,
+              reseed_noise: bool = False) -> torch.Tensor:
+    """All parameter gradients of one training step on ``inputs`` (``labels`` included), flattened
+    to float64 (sums over millions of entries stay exact enough for a cosine).
+
+    ``seed`` seeds torch (same seed: same dropout masks). ``autocast``: a dtype to run the forward
+    under ``torch.autocast`` with (the backward runs outside it, as in a training loop).
+    ``reseed_noise``: also restart the rounding noise from ``seed``, so the gradient does not depend
+    on what ran before in the process (docs/DESIGN.md, Bit-identical forward).
+    """
     model.train()
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
-    model(**inputs).loss.backward()
-    grads = [p.grad.flatten().float() for p in model.parameters() if p.grad is not None]
+    if reseed_noise:
+        store.reseed(seed)  # core-name
+    device = next(model.parameters()).device.type
+    amp = torch.autocast(device, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    with amp:
+        loss = model(**inputs).loss
+    loss.backward()
+    grads = [p.grad.flatten().double() for p in model.parameters() if p.grad is not None]
     model.zero_grad(set_to_none=True)
     return torch.cat(grads)
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Cosine of two flat vectors in float64: in float32, over the 42M gradient entries of a
+    Llama-shaped model, rounding can put it above 1."""
+    return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0).item()
 
 
 def gradient_cosine(model, inputs: dict, config: DivisionConfig | None = None, seeds=(0, 1, 2)) -> list[float]:
@@ -26,8 +49,5 @@ def gradient_cosine(model, inputs: dict, config: DivisionConfig | None = None, s
             remove_division(model)
             exact = flat_grad(model, inputs, seed)
             apply_division(model, config or before or DivisionConfig())
-            approx = flat_grad(model, inputs, seed)
-            # float64: in float32, over the 42M gradient entries of a Llama-shaped model, the
-            # cosine came out as 1.0029 for a true 0.9977
-            out.append(torch.nn.functional.cosine_similarity(exact.double(), approx.double(), dim=0).item())
+            out.append(cosine(exact, flat_grad(model, inputs, seed)))
     return out

@@ -18,7 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, HfArgumentParser
 
 from hf_division import DivisionConfig, apply_division, measure_activation_memory
-from hf_division.minilm import minilm_path
+from hf_division.zoo import minilm_path
 
 
 def load(args):

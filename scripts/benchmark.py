@@ -59,7 +59,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from hf_division import DivisionConfig, apply_division, remove_division, store  # noqa: E402
-from hf_division.minilm import minilm_path  # noqa: E402
+from hf_division.zoo import minilm_path  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUNDLED = os.path.join(os.path.dirname(HERE), "hf_division", "data", "sst2_dev_sample.tsv")

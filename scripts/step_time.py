@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, HfArgumentParser
 
 from hf_division import DivisionConfig, apply_division
-from hf_division.minilm import minilm_path
+from hf_division.zoo import minilm_path
 
 
 def main(argv=None):

@@ -96,7 +96,7 @@ def main(argv=None) -> dict:
     set_seed(args.seed)
     path = args.model_name_or_path
     if path is None:
-        from hf_division.minilm import minilm_path
+        from hf_division.zoo import minilm_path
 
         path = minilm_path()
     tokenizer = AutoTokenizer.from_pretrained(path)

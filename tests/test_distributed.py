@@ -76,7 +76,7 @@ def make_tiny_dir(path) -> str:
     real MiniLM tokenizer, saved like a hub model."""
     from transformers import AutoTokenizer, BertConfig, BertModel
 
-    from hf_division.minilm import minilm_path
+    from hf_division.zoo import minilm_path
 
     tok = AutoTokenizer.from_pretrained(minilm_path())
     torch.manual_seed(0)

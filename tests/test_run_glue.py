@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer, BertConfig, BertModel
 
 from hf_division.glue import compute_metrics, read_split
-from hf_division.minilm import minilm_path
+from hf_division.zoo import minilm_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLUE = os.path.join(ROOT, "tests", "fixtures", "glue")
