@@ -21,7 +21,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLUE = os.path.join(ROOT, "tests", "fixtures", "glue")
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+SCRIPTS = os.path.join(ROOT, "scripts")
 
 #: max |loss difference| per step, 2 processes vs 1, with division: about 3x the largest measured over
 #: seeds 0-4 by ``python tests/test_distributed.py measure`` (docs/SCALE.md). Step 1 runs before any
@@ -68,7 +68,12 @@ def _run(cmd, timeout=240, attempts=3):
 def accelerate_launch(script, args, nproc=2):
     return _run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                 "--main_process_port", str(_port()), os.path.join(ROOT, "scripts", script), *args])
+                 "--main_process_port", str(_port()), os.path.join(SCRIPTS, script), *args])
+
+
+def run_script(script, args):
+    """One plain process: the single-process reference runs (and one without the launcher)."""
+    return _run([sys.executable, os.path.join(SCRIPTS, script), *args])
 
 
 def make_tiny_dir(path) -> str:
@@ -124,8 +129,6 @@ def _within(diffs, tol):
 def compare_loop(model_dir, out, seed=0, division=True):
     """Custom loop, bf16 autocast, gradient accumulation 2: 2 processes x 2 examples vs 1 process
     x 4 examples per micro-batch (the same 8 examples per optimizer step). -> (2-process results, diffs)"""
-    import train_accelerate
-
     common = ["--glue_dir", GLUE, "--task_name", "rte", "--model_name_or_path", model_dir, "--max_steps", "3",
               "--gradient_accumulation_steps", "2", "--max_seq_length", "32", "--mixed_precision", "bf16",
               "--learning_rate", "1e-3", "--seed", str(seed), "--do_eval", "false",
@@ -133,10 +136,9 @@ def compare_loop(model_dir, out, seed=0, division=True):
     accelerate_launch("train_accelerate.py", [*common, "--per_device_train_batch_size", "2", "--output_dir", f"{out}/two"])
     with open(f"{out}/two/results.json") as f:
         two = json.load(f)
-    try:
-        one = train_accelerate.main([*common, "--per_device_train_batch_size", "4", "--output_dir", f"{out}/one"])
-    finally:
-        reset_accelerate()
+    run_script("train_accelerate.py", [*common, "--per_device_train_batch_size", "4", "--output_dir", f"{out}/one"])
+    with open(f"{out}/one/results.json") as f:
+        one = json.load(f)
     return two, _diffs(two["train_losses"], one["train_losses"])
 
 
@@ -149,29 +151,25 @@ def test_accelerate_loop_two_processes(tiny_dir, tmp_path):
 
 
 def test_accelerate_loop_single_process_fp32(tiny_dir, tmp_path):
-    import train_accelerate
+    from hf_division.glue import parse_loop_args
 
-    try:
-        res = train_accelerate.main(["--glue_dir", GLUE, "--task_name", "mrpc", "--model_name_or_path", tiny_dir,
-                                     "--division", "--max_steps", "2", "--per_device_train_batch_size", "4",
-                                     "--max_seq_length", "32", "--mixed_precision", "no", "--output_dir", str(tmp_path)])
-    finally:
-        reset_accelerate()
+    run_script("train_accelerate.py", ["--glue_dir", GLUE, "--task_name", "mrpc", "--model_name_or_path", tiny_dir,
+                                       "--division", "--max_steps", "2", "--per_device_train_batch_size", "4",
+                                       "--max_seq_length", "32", "--mixed_precision", "no", "--output_dir", str(tmp_path)])
+    with open(tmp_path / "results.json") as f:
+        res = json.load(f)
     assert res["num_processes"] == 1 and res["mixed_precision"] == "no" and res["division_applied_per_process"] == [1.0]
     assert len(res["train_losses"]) == 2 and all(0 < x < 10 for x in res["train_losses"])
     assert set(res["eval_metrics"]) >= {"accuracy", "f1"}
-    with open(tmp_path / "results.json") as f:
-        assert json.load(f)["train_losses"] == res["train_losses"]
     with pytest.raises(ValueError, match="mixed_precision"):
-        train_accelerate.main(["--output_dir", str(tmp_path), "--mixed_precision", "fp8"])
-    try:  # Accelerate does not autocast fp16 on CPU (it would train in float32): the script refuses
-        with pytest.raises(ValueError, match="fp16 on CPU"):
-            train_accelerate.main(["--output_dir", str(tmp_path), "--mixed_precision", "fp16", "--glue_dir", GLUE,
-                                   "--model_name_or_path", tiny_dir])
-    finally:
-        reset_accelerate()
+        parse_loop_args(["--output_dir", str(tmp_path), "--mixed_precision", "fp8"])
     with pytest.raises(ValueError, match="task_name"):
-        train_accelerate.main(["--output_dir", str(tmp_path), "--task_name", "mnlx"])
+        parse_loop_args(["--output_dir", str(tmp_path), "--task_name", "mnlx"])
+    # Accelerate does not autocast fp16 on CPU (it would train in float32): the script refuses
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "train_accelerate.py"), "--output_dir", str(tmp_path),
+                           "--mixed_precision", "fp16", "--glue_dir", GLUE, "--model_name_or_path", tiny_dir],
+                          env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0 and "fp16 on CPU" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_prepare_division_after_prepare_and_on_ddp(monkeypatch):
@@ -216,18 +214,13 @@ def compare_glue(model_dir, out, seed=0, division=True):
     ``--average_tokens_across_devices false``: with Transformers 5.24's default (true) a sequence
     classifier's loss is multiplied by the number of processes (reported and back-propagated;
     measured 2x, with or without division), which would hide a real mismatch."""
-    import run_glue
-
     common = ["--model_name_or_path", model_dir, "--glue_dir", GLUE, "--task_name", "rte", "--do_train",
               "--max_steps", "2", "--max_seq_length", "32", "--report_to", "none", "--disable_tqdm", "true",
               "--save_strategy", "no", "--use_cpu", "--logging_steps", "1", "--learning_rate", "1e-3",
               "--average_tokens_across_devices", "false", "--seed", str(seed),
               *(["--division", "--division_min_numel", "0"] if division else [])]
     accelerate_launch("run_glue.py", [*common, "--per_device_train_batch_size", "4", "--output_dir", f"{out}/two"])
-    try:
-        run_glue.main([*common, "--per_device_train_batch_size", "8", "--output_dir", f"{out}/one"])
-    finally:
-        reset_accelerate()
+    run_script("run_glue.py", [*common, "--per_device_train_batch_size", "8", "--output_dir", f"{out}/one"])
 
     def losses(name):
         with open(f"{out}/{name}/trainer_state.json") as f:
@@ -284,7 +277,7 @@ def _fsdp_step(model, opt, batch, seed, step, world, rank) -> float:
     import hf_division as hd
 
     ids, labels = batch
-    hd.store.reseed(hd.store.step_seed(seed, step, rank))
+    hd.store.reseed(hd.store.step_seed(seed, step, rank))  # core-name: noise.reseed, noise.step_seed
     loss = model(input_ids=ids, labels=labels).loss
     loss.backward()
     opt.step()
@@ -377,8 +370,7 @@ def measure(seeds, only=()) -> None:
                           + " ".join(f"{x:.1e}" for x in d), flush=True)
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, ROOT)
+if __name__ == "__main__":  # hf_division comes from PYTHONPATH (``_env``) or the installed package
     if sys.argv[1:2] == ["fsdp"]:
         _fsdp_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), bool(int(sys.argv[5])))
     elif sys.argv[1:2] == ["measure"]:
