@@ -24,12 +24,11 @@ GLUE = os.path.join(ROOT, "tests", "fixtures", "glue")
 SCRIPTS = os.path.join(ROOT, "scripts")
 
 #: max |loss difference| per step, 2 processes vs 1, with division: about 3x the largest measured over
-#: seeds 0-4 by ``python tests/test_distributed.py measure`` (docs/SCALE.md). Step 1 runs before any
-#: update (float rounding only); later steps carry the different rounding noise of the two runs.
-LOOP_TOL = [1e-6, 2.5e-3, 3e-3]  # measured 6.0e-08 7.6e-04 1.0e-03 (without division 6.0e-08 9.4e-06 1.6e-05)
-GLUE_TOL = [1e-6, 1.5e-3]  # measured 1.2e-07 4.7e-04 (without division 1.2e-07 6.0e-08)
-FSDP_TOL = [1e-6, 2e-3, 4e-3]  # measured FSDP2 6.0e-08 6.9e-04 7.8e-04, FSDP1 6.0e-08 4.2e-04 5.8e-04
-#                                 (without division both 6.0e-08 0 6.0e-08)
+#: seeds 0-4 by ``python tests/test_distributed.py measure`` (docs/SCALE.md, Distributed). Step 1 runs
+#: before any update (float rounding only); later steps carry the different rounding noise of the two runs.
+LOOP_TOL = [1e-6, 2.5e-3, 3e-3]
+GLUE_TOL = [1e-6, 1.5e-3]
+FSDP_TOL = [1e-6, 2e-3, 4e-3]
 
 
 def _port() -> int:
@@ -51,12 +50,10 @@ def _env():
 def _run(cmd, timeout=240, attempts=3):
     """Run a launcher; relaunch when a worker died of SIGABRT before doing anything.
 
-    Why: under pytest (never in 12 direct launches of the same command), a worker sometimes
-    aborted at its first torch.compile (of the compressor's kernels) with "terminate called
-    without an active exception" and no Python frame (PYTHONFAULTHANDLER): 2 of 5 runs of
-    test_fsdp_two_processes, also before the token-group compressor. With inductor compiling
-    in-process (TORCHINDUCTOR_COMPILE_THREADS=1, ``_env``) 14 of 14 runs passed without a retry;
-    the relaunch stays as a safety net. Any other failure fails at once."""
+    Why: under pytest a launched worker can abort at its first torch.compile with "terminate called
+    without an active exception" (docs/SCALE.md, Distributed: the known issue with inductor's compile
+    workers). Inductor compiling in-process (``_env``) avoids it; the relaunch is a safety net. Any
+    other failure fails at once."""
     for _ in range(attempts):
         proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         if proc.returncode == 0 or "terminate called without an active exception" not in proc.stderr:
@@ -212,8 +209,8 @@ def compare_glue(model_dir, out, seed=0, division=True):
     """scripts/run_glue.py (Trainer): 2 processes x 4 vs 1 process x 8 examples. -> (epochs, diffs)
 
     ``--average_tokens_across_devices false``: with Transformers 5.24's default (true) a sequence
-    classifier's loss is multiplied by the number of processes (reported and back-propagated;
-    measured 2x, with or without division), which would hide a real mismatch."""
+    classifier's loss is multiplied by the number of processes (reported and back-propagated, with
+    or without division), which would hide a real mismatch."""
     common = ["--model_name_or_path", model_dir, "--glue_dir", GLUE, "--task_name", "rte", "--do_train",
               "--max_steps", "2", "--max_seq_length", "32", "--report_to", "none", "--disable_tqdm", "true",
               "--save_strategy", "no", "--use_cpu", "--logging_steps", "1", "--learning_rate", "1e-3",
