@@ -2,23 +2,25 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 
 from . import store
 from .config import DivisionConfig
-from .patching import apply_division, remove_division, restored_division
+from .patching import apply_division, remove_division, restored_division  # core-name
 
 
 def flat_grad(model: torch.nn.Module, inputs: dict, seed: int, autocast: torch.dtype | None = None, *,
-              reseed_noise: bool = False) -> torch.Tensor:
+              reseed_noise: bool = False, select: Callable[[str], bool] | None = None) -> torch.Tensor:
     """All parameter gradients of one training step on ``inputs`` (``labels`` included), flattened
     to float64 (sums over millions of entries stay exact enough for a cosine).
 
     ``seed`` seeds torch (same seed: same dropout masks). ``autocast``: a dtype to run the forward
     under ``torch.autocast`` with (the backward runs outside it, as in a training loop).
     ``reseed_noise``: also restart the rounding noise from ``seed``, so the gradient does not depend
-    on what ran before in the process (docs/DESIGN.md, Bit-identical forward).
+    on what ran before in the process (docs/DESIGN.md, Bit-identical forward). ``select``: keep
+    only the parameters whose name it accepts (e.g. a PEFT adapter's).
     """
     model.train()
     model.zero_grad(set_to_none=True)
@@ -30,7 +32,8 @@ def flat_grad(model: torch.nn.Module, inputs: dict, seed: int, autocast: torch.d
     with amp:
         loss = model(**inputs).loss
     loss.backward()
-    grads = [p.grad.flatten().double() for p in model.parameters() if p.grad is not None]
+    grads = [p.grad.flatten().double() for name, p in model.named_parameters()
+             if p.grad is not None and (select is None or select(name))]
     model.zero_grad(set_to_none=True)
     return torch.cat(grads)
 
@@ -41,13 +44,15 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0).item()
 
 
-def gradient_cosine(model, inputs: dict, config: DivisionConfig | None = None, seeds=(0, 1, 2)) -> list[float]:
-    """Cosine of the division gradient to the exact one, per seed (same dropout masks: same seed)."""
+def gradient_cosine(model, inputs: dict, config: DivisionConfig | None = None, seeds=(0, 1, 2), *,
+                    select: Callable[[str], bool] | None = None) -> list[float]:
+    """Cosine of the division gradient to the exact one, per seed (same dropout masks: same seed).
+    ``select``: of the parameters whose name it accepts only (as in :func:`flat_grad`)."""
     out = []
     with restored_division(model) as before:
         for seed in seeds:
             remove_division(model)
-            exact = flat_grad(model, inputs, seed)
+            exact = flat_grad(model, inputs, seed, select=select)
             apply_division(model, config or before or DivisionConfig())
-            out.append(cosine(exact, flat_grad(model, inputs, seed)))
+            out.append(cosine(exact, flat_grad(model, inputs, seed, select=select)))
     return out

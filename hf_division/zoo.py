@@ -66,17 +66,19 @@ def minilm_tokenizer():
 
 def build_classifier(name: str, attn: str | None = "sdpa", device="cpu", dtype: torch.dtype = torch.float32,
                      **config_overrides):
-    """A train-mode two-label sequence classifier: ``"minilm"`` (real weights; its new head draws
-    from torch's current RNG) or a name of :data:`SHAPES` (random init under ``torch.manual_seed(0)``;
-    ``config_overrides`` replace config fields). ``attn=None``: Transformers' default attention."""
+    """A train-mode two-label sequence classifier: ``"minilm"`` (real weights) or a name of
+    :data:`SHAPES` (random init); ``config_overrides`` replace config fields. ``attn=None``:
+    Transformers' default attention. Whatever is not in a checkpoint (MiniLM's new classification
+    head, every weight of a shape) is drawn under ``torch.manual_seed(0)``: torch seeds each process
+    differently, and an unseeded head would change the measured gradient from run to run."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
+    torch.manual_seed(0)
     if name == "minilm":
         model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=2,
                                                                    attn_implementation=attn, **config_overrides)
     elif name in SHAPES:
         model_type, sizes = SHAPES[name]
-        torch.manual_seed(0)
         cfg = AutoConfig.for_model(model_type, **{"vocab_size": BERT_VOCAB, "num_labels": 2, **sizes, **config_overrides})
         model = AutoModelForSequenceClassification.from_config(cfg, attn_implementation=attn)
     else:
