@@ -39,8 +39,8 @@ def flat_grad(model: torch.nn.Module, inputs: dict, seed: int, autocast: torch.d
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Cosine of two flat vectors in float64: in float32, over the 42M gradient entries of a
-    Llama-shaped model, rounding can put it above 1."""
+    """Cosine of two flat vectors in float64: in float32 the sums over the millions of entries of a
+    model's gradient can put an exact match above 1."""
     return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0).item()
 
 

