@@ -1,8 +1,8 @@
 """Auto-precision: bits per layer and tensor kind from measured gradient sensitivity.
 
 Given an average bit budget (e.g. 3.0 bits per compressed element), :func:`auto_precision`
-(or :func:`assign` on measured sensitivities) assigns each *unit* — one kind of saved tensor (``linear``, ``attention``, ``activation``,
-``norm``) in one layer — a bit width from ``bits`` so that the gradient error is smallest, for
+(or :func:`assign` on measured sensitivities) assigns each *unit* — one kind of saved tensor
+(``linear``, ``attention``, ``activation``, ``norm``) in one layer — a bit width from ``bits`` so that the gradient error is smallest, for
 either method (``DivisionConfig.method``). The result is a :class:`DivisionConfig` whose
 ``module_bits`` holds the assignment.
 
@@ -35,8 +35,9 @@ Design (cheap, once, not every step):
    Or, given a target gradient cosine instead (:func:`assign_for_cosine`), the smallest budget whose
    assignment's predicted cosine ``1 / sqrt(1 + sum_u e_u)`` reaches it (bisection).
 
-Equal bytes: per-group min/scale, LFC and channel scales do not depend on the bits, so an
-assignment averaging ``budget`` bits holds the same bytes as every unit at ``budget`` bits, or fewer.
+Equal bytes: per-group minimum and step, the LFC and the outlier tokens kept exact do not depend
+on the bits, so an assignment averaging ``budget`` bits holds the same bytes as every unit at
+``budget`` bits, or fewer.
 """
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ def _by_kind(model, batch) -> dict:
     return held_bytes(model, batch)[1]
 
 
-def _model_error(probes: dict, bits) -> dict:
+def model_error(probes: dict, bits) -> dict:
     """``{b: error}`` for every ``b`` in ``bits`` from measured ``probes`` (see module doc, step 3)."""
     pts = sorted(probes.items())
     k = 2.0
@@ -132,7 +133,7 @@ def _model_error(probes: dict, bits) -> dict:
     return out
 
 
-def _assign(units: list, bits, budget: float, resolution: int) -> None:
+def assign_bits(units: list, bits, budget: float, resolution: int) -> None:
     """Exact multiple-choice knapsack by DP over ``resolution`` budget steps; sets ``u.bits``."""
     total = sum(u.numel for u in units)
     # costs counted above the narrowest width, so that all-narrowest (cost 0) is always feasible
@@ -230,7 +231,7 @@ def measure_sensitivity(
         for u in units:
             for b in probe_bits:
                 u.probes[b] = max(error({**background, u.name: {u.kind: b}}) - bg_error, floor)
-            u.errors = _model_error(u.probes, bits)
+            u.errors = model_error(u.probes, bits)
     return Sensitivity(config, bits, units, bg_error)
 
 
@@ -244,7 +245,7 @@ def assign(sensitivity: Sensitivity, budget: float, resolution: int = 2000) -> A
         for u in units:
             u.bits = bits[-1]
     else:
-        _assign(units, bits, float(budget), resolution)
+        assign_bits(units, bits, float(budget), resolution)
     assignment: dict = {}
     for u in units:
         assignment.setdefault(u.name, {})[u.kind] = u.bits

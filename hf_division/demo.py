@@ -8,7 +8,6 @@ training batch, trains with ``TrainingArguments(division=True)``, and prints dev
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import tempfile
 
@@ -18,16 +17,12 @@ from datasets import Dataset
 from sklearn.metrics import accuracy_score
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
-from . import Trainer, TrainingArguments, measure_activation_memory
-from .minilm import minilm_path
+from .measure import measure_activation_memory
+from .textdata import BUNDLED_SST2_DEV, classification_batch, sst2_rows
+from .trainer import Trainer, TrainingArguments
+from .zoo import minilm_path
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
-
-
-def read_sst2(path: str) -> dict:
-    with open(path, encoding="utf-8") as f:
-        rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))[1:]
-    return {"sentence": [r[0] for r in rows], "label": [int(r[1]) for r in rows]}
 
 
 def main(argv=None):
@@ -42,20 +37,19 @@ def main(argv=None):
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
 
-    def encode(split):
-        ds = Dataset.from_dict(read_sst2(os.path.join(DATA, f"sst2_{split}_sample.tsv")))
+    def encode(rows):
+        ds = Dataset.from_dict({"sentence": [s for s, _ in rows], "label": [y for _, y in rows]})
         return ds.map(lambda b: tok(b["sentence"], truncation=True, max_length=args.max_length), batched=True)
 
-    train, dev = encode("train"), encode("dev")
+    train_rows = sst2_rows(os.path.join(DATA, "sst2_train_sample.tsv"))
+    train, dev = encode(train_rows), encode(sst2_rows(BUNDLED_SST2_DEV))
     targs = TrainingArguments(
         output_dir=args.output_dir, division=True, num_train_epochs=args.epochs,
         per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=64, learning_rate=5e-5,
         logging_steps=20, save_strategy="no", report_to=[], seed=0, disable_tqdm=True,
     )
     # exact bytes held for backward on one full-length training batch
-    sample = tok(train["sentence"][: args.batch_size], padding="max_length", truncation=True,
-                 max_length=args.max_length, return_tensors="pt")
-    sample = dict(sample, labels=torch.tensor(train["label"][: args.batch_size]))
+    sample = classification_batch(tok, train_rows, args.batch_size, args.max_length)
     mem = measure_activation_memory(model, sample, targs.division_config())
     print(f"\nActivation memory held for backward, batch {args.batch_size} x {args.max_length} tokens:")
     print(mem.table())

@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .accounting import start_accounting, stop_accounting
 from .config import DivisionConfig
 from .api import apply_division, remove_division, restored_division, unwrap
+from .accounting import start_accounting, stop_accounting
 
 
 @dataclass
@@ -57,66 +58,120 @@ def _kind_of(module: nn.Module | None) -> str:
     return "other"
 
 
-@contextlib.contextmanager
-def _record_saved(model: nn.Module):
-    """Collect ``(tensor, kind)`` for every non-parameter tensor autograd saves in ``model``."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    stack: list[nn.Module] = []
-    saved: list[tuple[torch.Tensor, str]] = []
+class _Recorder:
+    """Collects ``(tensor, kind)`` for every non-parameter tensor a training forward of ``model``
+    keeps for backward: what autograd saves (through a saved-tensors hook; under ``offload``
+    what ``save_on_cpu``'s packer returns), and what a checkpointed layer keeps outside the hooks
+    (docs/DESIGN.md, Accounting)."""
 
-    def pre(module, args):
-        stack.append(module)
+    def __init__(self, model: nn.Module, offload: bool):
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.saved: list[tuple[torch.Tensor, str]] = []
+        self.stack: list[nn.Module] = []
+        pin = any(p.is_cuda for p in model.parameters())
+        self.offloader = torch.autograd.graph.save_on_cpu(pin_memory=pin) if offload else None
+        modules = list(model.modules())
+        self.handles = [m.register_forward_pre_hook(self.pre) for m in modules]
+        self.handles += [m.register_forward_hook(self.post) for m in modules]
+        self.handles += [m.register_forward_pre_hook(self.checkpointed, with_kwargs=True)
+                         for m in modules if isinstance(m, GradientCheckpointingLayer)]
 
-    def post(module, args, out):
-        if stack and stack[-1] is module:
-            stack.pop()
+    def pre(self, module, args):
+        self.stack.append(module)
 
-    handles = [m.register_forward_pre_hook(pre) for m in model.modules()]
-    handles += [m.register_forward_hook(post) for m in model.modules()]
+    def post(self, module, args, out):
+        if self.stack and self.stack[-1] is module:
+            self.stack.pop()
 
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in params:
-            saved.append((t, _kind_of(stack[-1] if stack else None)))
+    def keep(self, tensors, kind: str) -> None:
+        self.saved.extend((t, kind) for t in tensors if t.untyped_storage().data_ptr() not in self.params)
+
+    def pack(self, t):
+        kept = self.offloader.pack_hook(t)[1] if self.offloader is not None else t
+        self.keep([kept], _kind_of(self.stack[-1] if self.stack else None))
         # ``saved`` keeps every counted storage alive (so data_ptrs are distinct) while the caller
         # counts; the graph only gets a weak reference, because a graph holding a tensor that its
         # own grad_fn saved (an op's output) is a cycle through C++ that is never freed
-        return weakref.ref(t)
+        return weakref.ref(kept)
 
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda ref: ref()):
-            yield saved
-    finally:
-        for h in handles:
+    def checkpointed(self, module, args, kwargs):
+        """Transformers' checkpoint keeps the layer's arguments whole, and an RNG state; division's
+        checkpoint (an instance ``forward``) compresses the floating ones, which the store counts."""
+        if not (module.gradient_checkpointing and module.training):
+            return
+        tensors = [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+        if "forward" not in module.__dict__:
+            tensors += [a for a in args if isinstance(a, torch.Tensor)] + [torch.get_rng_state()]
+        else:
+            tensors += [a for a in args if isinstance(a, torch.Tensor) and not a.is_floating_point()]
+        self.keep(tensors, "checkpoint")
+
+    def close(self) -> None:
+        for h in self.handles:
             h.remove()
         # every saved variable keeps a reference to ``pack`` and so to ``saved``: empty it, or the
         # counted tensors would outlive the graph
-        saved.clear()
+        self.saved.clear()
 
 
-def _bytes(held: list[tuple[torch.Tensor, str]]) -> tuple[int, dict]:
-    """Sum of distinct storages (all alive here, so their addresses are unique)."""
-    seen, total, by_kind = set(), 0, {}
+@dataclass
+class Held:
+    """Bytes a training forward holds for backward: on the compute device, and in host memory
+    (what ``save_on_cpu`` moved off a CUDA device); ``by_kind`` splits their sum."""
+
+    device_bytes: int
+    host_bytes: int
+    by_kind: dict
+
+    @property
+    def total(self) -> int:
+        return self.device_bytes + self.host_bytes
+
+
+def _bytes(held: list[tuple[torch.Tensor, str]], device: torch.device) -> Held:
+    """Sums over distinct storages (all alive here, so their addresses are unique)."""
+    seen, out = set(), Held(0, 0, {})
     for t, kind in held:
         s = t.untyped_storage()
         if s.data_ptr() in seen or s.nbytes() == 0:
             continue
         seen.add(s.data_ptr())
-        total += s.nbytes()
-        by_kind[kind] = by_kind.get(kind, 0) + s.nbytes()
-    return total, by_kind
+        if t.device == device:
+            out.device_bytes += s.nbytes()
+        else:
+            out.host_bytes += s.nbytes()
+        out.by_kind[kind] = out.by_kind.get(kind, 0) + s.nbytes()
+    return out
+
+
+def account(model: nn.Module, inputs: dict, *, autocast: torch.dtype | None = None, offload: bool = False) -> Held:
+    """What one training forward of ``model``, as it is now, holds for backward.
+
+    ``autocast``: run the forward under ``torch.autocast`` to this dtype; ``offload``: under
+    ``torch.autograd.graph.save_on_cpu`` (pinned on CUDA), whose packed copies are counted.
+    """
+    inner = unwrap(model)
+    device = next(inner.parameters()).device
+    amp = torch.autocast(device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    recorder = _Recorder(inner, offload)
+    try:
+        start_accounting()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda ref: ref()), amp:
+                out = model(**inputs)
+        finally:
+            kept = stop_accounting()
+        held = _bytes(recorder.saved + kept, device)
+    finally:
+        recorder.close()
+    del out
+    return held
 
 
 def held_bytes(model: nn.Module, inputs: dict) -> tuple[int, dict]:
-    """Bytes held for backward after one training forward of ``model`` as it is now."""
-    start_accounting()
-    try:
-        with _record_saved(unwrap(model)) as saved:
-            out = model(**inputs)
-            total = _bytes(saved + stop_accounting())
-    finally:
-        stop_accounting()
-    del out
-    return total
+    """``(bytes, bytes per kind)`` held for backward after one training forward of ``model`` as it is now."""
+    held = account(model, inputs)
+    return held.total, held.by_kind
 
 
 def measure_activation_memory(model: nn.Module, inputs: dict, config: DivisionConfig | None = None) -> MemoryReport:

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Summarize ``scripts/glue_parity.sh`` runs: mean ± std of each task's GLUE metric per arm.
 
-    python scripts/parity_table.py out/parity [--markdown docs/parity_table.md]
+    python scripts/parity_table.py out/parity [--markdown docs/results/parity_table.md]
 
 Reads every ``OUT/<task>_<arm>_s<seed>/division_report.json``; arms are compared in pairs
-(baseline vs division, lora-baseline vs lora-division). The parity bound is the issue's:
-|Δ mean| <= max(0.5 points, std of the reference arm).
+(baseline vs division, lora-baseline vs lora-division). The parity bound is the project's
+(docs/RESULTS.md, "GLUE accuracy parity"): |Δ mean| <= max(0.5 points, std of the reference arm).
 """
 from __future__ import annotations
 
@@ -15,10 +15,8 @@ import json
 import os
 import re
 import statistics
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from hf_division.glue import main_metric  # noqa: E402
+from hf_division.glue import main_metric
 
 PAIRS = (("baseline", "division"), ("lora-baseline", "lora-division"))
 

@@ -7,116 +7,37 @@
         --task_name rte --division --mixed_precision bf16 --gradient_accumulation_steps 2 --output_dir out/acc-rte
 
 ``--division`` and ``--division_<field>`` set the DivisionConfig (as for the Trainer). The model
-defaults to the bundled MiniLM-L6 (``hf_division.minilm.minilm_path()``). Writes
+defaults to the bundled MiniLM-L6 (``hf_division.zoo.minilm_path()``). Writes
 ``OUTPUT_DIR/results.json``: the per-step training loss (mean over all processes and micro-batches
 of the step), the dev metrics, and the run's settings.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
-import sys
 import time
 
 import torch
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, HfArgumentParser, get_scheduler
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from hf_division.accelerate import division_enabled, prepare_division, reseed_for_step  # noqa: E402
-from hf_division.glue import compute_metrics, get_task, read_split, task_key  # noqa: E402
-from hf_division.trainer import with_division  # noqa: E402
-
-MIXED = ("no", "bf16", "fp16")
+from hf_division.accelerate import division_enabled, prepare_division, reseed_for_step
+from hf_division.glue import compute_metrics, parse_loop_args, tokenized_examples
+from hf_division.zoo import minilm_path
 
 
-@dataclasses.dataclass
-class LoopArguments:
-    output_dir: str = dataclasses.field(metadata={"help": "Where results.json goes."})
-    glue_dir: str = dataclasses.field(default="../shared/data/glue", metadata={"help": "GLUE TSV root (<TASK>/train.tsv)."})
-    task_name: str = dataclasses.field(default="sst2", metadata={"help": "cola, sst2, mrpc, stsb, rte, wnli, ..."})
-    model_name_or_path: str | None = dataclasses.field(default=None, metadata={"help": "Default: the bundled MiniLM-L6."})
-    max_seq_length: int = 128
-    per_device_train_batch_size: int = 16
-    per_device_eval_batch_size: int = 64
-    learning_rate: float = 5e-5
-    weight_decay: float = 0.0
-    num_train_epochs: float = 1.0
-    max_steps: int = dataclasses.field(default=-1, metadata={"help": "Optimizer steps; overrides num_train_epochs if > 0."})
-    gradient_accumulation_steps: int = 1
-    mixed_precision: str | None = dataclasses.field(default=None, metadata={"help": "no, bf16 or fp16 (default: the launcher's)."})
-    seed: int = 42
-    max_train_samples: int | None = None
-    max_eval_samples: int | None = None
-    do_eval: bool = True
-    logging_steps: int = 10
-
-    def __post_init__(self):
-        self.task_name = task_key(self.task_name)  # ValueError naming the task
-        if self.mixed_precision is not None and self.mixed_precision not in MIXED:
-            raise ValueError(f"--mixed_precision must be one of {MIXED}, got {self.mixed_precision!r}")
-        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_seq_length"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
-
-
-Arguments = with_division(LoopArguments)
-
-
-def load_data(args, tokenizer):
-    """Tokenized train and dev splits as lists of dicts, padded to ``max_seq_length``."""
-    task = get_task(args.task_name)
-    out = {}
-    for split, limit in (("train", args.max_train_samples), ("dev", args.max_eval_samples)):
-        cols = read_split(args.glue_dir, args.task_name, split)
-        n = len(cols["label"]) if limit is None else min(limit, len(cols["label"]))
-        texts = [cols[f"sentence{i + 1}"][:n] for i in range(len(task.text_columns))]
-        enc = tokenizer(*texts, padding="max_length", truncation=True, max_length=args.max_seq_length, return_tensors="pt")
-        labels = torch.tensor(cols["label"][:n], dtype=torch.float32 if task.is_regression else torch.long)
-        out[split] = [{**{k: v[i] for k, v in enc.items()}, "labels": labels[i]} for i in range(n)]
-    return out, task
-
-
-def _wrapper(model) -> str:
+def wrapper_name(model) -> str:
     """How ``prepare`` wrapped the model: its class, plus ``+DTensor`` if parameters are sharded (FSDP2)."""
     sharded = any(type(p).__name__ == "DTensor" for p in model.parameters())
     return type(model).__name__ + ("+DTensor" if sharded else "")
 
 
-def main(argv=None) -> dict:
-    (args,) = HfArgumentParser(Arguments).parse_args_into_dataclasses(args=argv)
-    accelerator = Accelerator(mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
-    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
-        raise ValueError("--mixed_precision fp16 on CPU: Accelerate would silently train in float32; use bf16")
-    set_seed(args.seed)
-    path = args.model_name_or_path
-    if path is None:
-        from hf_division.minilm import minilm_path
-
-        path = minilm_path()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    data, task = load_data(args, tokenizer)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=task.num_labels, problem_type="regression" if task.is_regression else None)
-    if args.division:
-        prepare_division(model, args.division_config())  # before prepare: survives the DDP/FSDP wrapping
-
-    train_dl = DataLoader(data["train"], batch_size=args.per_device_train_batch_size, shuffle=True)
-    eval_dl = DataLoader(data["dev"], batch_size=args.per_device_eval_batch_size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
-    steps_per_epoch = math.ceil(len(train_dl) / accelerator.num_processes / args.gradient_accumulation_steps)
-    max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
-    # Accelerate steps a prepared scheduler once per process per optimizer step (its convention for
-    # schedules counted on the single-process dataloader), so the schedule spans max_steps x processes
-    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=max_steps * accelerator.num_processes)
-    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
-
-    losses, step, running, new_step, start = [], 0, [], True, time.time()
+def train_loop(args, accelerator, model, optimizer, scheduler, train_dl, max_steps: int) -> list[float]:
+    """``max_steps`` optimizer steps; the loss of each (mean over processes and micro-batches)."""
+    losses, step, running, new_step = [], 0, [], True
     model.train()
     while step < max_steps:
         for batch in train_dl:
@@ -139,24 +60,56 @@ def main(argv=None) -> dict:
                     accelerator.print(f"step {step}/{max_steps} loss {step_loss:.4f}")
                 if step >= max_steps:
                     break
-    train_time = time.time() - start
+    return losses
 
-    metrics = {}
-    if args.do_eval:
-        model.eval()
-        preds, labels = [], []
-        for batch in eval_dl:
-            with torch.no_grad():
-                logits = model(**batch).logits.float()
-            logits, lab = accelerator.gather_for_metrics((logits, batch["labels"]))
-            preds.append(logits.cpu())
-            labels.append(lab.cpu())
-        metrics = compute_metrics(args.task_name, torch.cat(preds).numpy(), torch.cat(labels).numpy())
+
+def evaluate(args, accelerator, model, eval_dl) -> dict:
+    """GLUE metrics on the dev split, predictions gathered from every process."""
+    model.eval()
+    preds, labels = [], []
+    for batch in eval_dl:
+        with torch.no_grad():
+            logits = model(**batch).logits.float()
+        logits, lab = accelerator.gather_for_metrics((logits, batch["labels"]))
+        preds.append(logits.cpu())
+        labels.append(lab.cpu())
+    return compute_metrics(args.task_name, torch.cat(preds).numpy(), torch.cat(labels).numpy())
+
+
+def main(argv=None) -> dict:
+    args = parse_loop_args(argv)
+    accelerator = Accelerator(mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.gradient_accumulation_steps,
+                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    if accelerator.mixed_precision == "fp16" and accelerator.device.type == "cpu":
+        raise ValueError("--mixed_precision fp16 on CPU: Accelerate would silently train in float32; use bf16")
+    set_seed(args.seed)
+    path = args.model_name_or_path or minilm_path()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    data, task = tokenized_examples(args, tokenizer)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=task.num_labels, problem_type="regression" if task.is_regression else None)
+    if args.division:
+        prepare_division(model, args.division_config())  # before prepare: survives the DDP/FSDP wrapping
+
+    train_dl = DataLoader(data["train"], batch_size=args.per_device_train_batch_size, shuffle=True)
+    eval_dl = DataLoader(data["dev"], batch_size=args.per_device_eval_batch_size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=args.weight_decay)
+    steps_per_epoch = math.ceil(len(train_dl) / accelerator.num_processes / args.gradient_accumulation_steps)
+    max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * steps_per_epoch)
+    # Accelerate steps a prepared scheduler once per process per optimizer step (its convention for
+    # schedules counted on the single-process dataloader), so the schedule spans max_steps x processes
+    scheduler = get_scheduler("linear", optimizer, num_warmup_steps=0, num_training_steps=max_steps * accelerator.num_processes)
+    model, optimizer, train_dl, eval_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, eval_dl, scheduler)
+
+    start = time.time()
+    losses = train_loop(args, accelerator, model, optimizer, scheduler, train_dl, max_steps)
+    train_time = time.time() - start
+    metrics = evaluate(args, accelerator, model, eval_dl) if args.do_eval else {}
     applied = torch.tensor([float(division_enabled(model))], device=accelerator.device)
     results = {"task_name": args.task_name, "division": args.division,
                "division_applied_per_process": accelerator.gather(applied).tolist(), "division_config": args.division_config().to_dict(),
                "num_processes": accelerator.num_processes, "mixed_precision": accelerator.mixed_precision,
-               "distributed_type": str(accelerator.distributed_type), "model_wrapper": _wrapper(model),
+               "distributed_type": str(accelerator.distributed_type), "model_wrapper": wrapper_name(model),
                "gradient_accumulation_steps": args.gradient_accumulation_steps,
                "per_device_train_batch_size": args.per_device_train_batch_size, "max_steps": max_steps, "seed": args.seed,
                "train_losses": losses, "eval_metrics": metrics, "train_time_s": train_time}
@@ -164,7 +117,7 @@ def main(argv=None) -> dict:
         os.makedirs(args.output_dir, exist_ok=True)
         with open(os.path.join(args.output_dir, "results.json"), "w") as f:
             json.dump(results, f, indent=2)
-        accelerator.print(f"done: {step} steps, final loss {losses[-1]:.4f}, dev {metrics}")
+        accelerator.print(f"done: {len(losses)} steps, final loss {losses[-1]:.4f}, dev {metrics}")
     accelerator.end_training()
     return results
 

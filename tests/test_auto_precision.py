@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import hf_division as hd
-from hf_division.auto_precision import (Sensitivity, Unit, _assign, _model_error, assign, assign_for_cosine,
-                                       auto_precision, layer_of, measure_sensitivity)
+from hf_division.auto_precision import (Sensitivity, Unit, assign, assign_bits, assign_for_cosine, auto_precision,
+                                       layer_of, measure_sensitivity, model_error)
 from hf_division.config import KINDS, DivisionConfig
 from hf_division.fidelity import gradient_cosine
 from hf_division.measure import held_bytes
@@ -99,7 +99,7 @@ def test_layer_of():
 
 
 def test_error_model_scales_with_step_squared():
-    e = _model_error({2: 9e-3, 4: 9e-3 * (3 / 15) ** 2}, (1, 2, 4, 8))
+    e = model_error({2: 9e-3, 4: 9e-3 * (3 / 15) ** 2}, (1, 2, 4, 8))
     assert e[1] == pytest.approx(9e-3 * 9)
     assert e[8] == pytest.approx(9e-3 * (3 / 15) ** 2 * (15 / 255) ** 2)
     assert e[1] > e[2] > e[4] > e[8]
@@ -112,10 +112,10 @@ def test_assignment_is_optimal_and_within_budget():
     for i in range(6):
         n = int(torch.randint(1, 50, (1,), generator=g)) * 256
         e2 = float(torch.rand(1, generator=g)) * 10 ** float(torch.randint(-5, -1, (1,), generator=g))
-        units.append(Unit(f"l.{i}", "linear", n, {2: e2}, _model_error({2: e2}, bits)))
+        units.append(Unit(f"l.{i}", "linear", n, {2: e2}, model_error({2: e2}, bits)))
     total = sum(u.numel for u in units)
     for budget in (1.5, 2.0, 3.0, 5.0):
-        _assign(units, bits, budget, resolution=4000)
+        assign_bits(units, bits, budget, resolution=4000)
         used = sum(u.numel * u.bits for u in units)
         got = sum(u.errors[u.bits] for u in units)
         def best(cap):
@@ -134,7 +134,7 @@ def _synthetic_units(n=6, seed=0, bits=(1, 2, 4, 8)):
     for i in range(n):
         numel = int(torch.randint(1, 50, (1,), generator=g)) * 256
         e2 = float(torch.rand(1, generator=g)) * 10 ** float(torch.randint(-4, -1, (1,), generator=g))
-        units.append(Unit(f"l.{i}", "linear", numel, {2: e2}, _model_error({2: e2}, bits)))
+        units.append(Unit(f"l.{i}", "linear", numel, {2: e2}, model_error({2: e2}, bits)))
     return units
 
 
@@ -181,7 +181,7 @@ def test_auto_beats_uniform_at_equal_bytes(method):
     assert {u.name for u in sens.units} >= {"bert.encoder.layer.0", "bert.encoder.layer.1"}
     result = assign(sens, 2.0)
     assert result.average_bits <= 2.0
-    assert "forward" not in model.__dict__ and hd.patching.division_config_of(model) is None  # left as found
+    assert "forward" not in model.__dict__ and hd.api.division_config_of(model) is None  # left as found
     uniform = DivisionConfig(method=method, **{f"{k}_bits": 2 for k in KINDS})
     # equal bytes: never more than every unit at the budget's width
     assert _held(model, evaluate, result.config) <= _held(model, evaluate, uniform)

@@ -1,6 +1,5 @@
-"""scripts/benchmark.py: its saved-tensor accounting, and a --quick run end to end."""
+"""The benchmark's accounting (``hf_division.measure.account``) and ``scripts/benchmark.py --quick`` end to end."""
 import csv
-import importlib.util
 import json
 import os
 import subprocess
@@ -9,7 +8,9 @@ import sys
 import pytest
 import torch
 
-from hf_division.measure import held_bytes as measure_held
+import hf_division as hd
+from hf_division.measure import account, held_bytes
+from hf_division.zoo import build_classifier
 
 from conftest import tiny_batch, tiny_model
 
@@ -17,36 +18,52 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "benchmark.py")
 
 
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("benchmark_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def hooked_bytes(model, batch) -> int:
+    """Distinct non-parameter storages that reach a saved-tensors hook in one training forward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            seen[s.data_ptr()] = (t, s.nbytes())  # the tensor keeps its storage (and address) alive
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None):
+        out = model(**batch)
+    del out
+    return sum(n for _, n in seen.values())
 
 
-def test_accounting_matches_measure_and_reentrant_checkpoint(bench):
+def test_accounting_counts_what_checkpointing_and_offloading_hold():
     model, batch = tiny_model("bert"), tiny_batch(4, 64, pad_from=[64, 40, 20, 50])  # padded: a mask per layer
-    for method in ("none", "division", "actnn"):
-        bench.setup(model, method)
-        assert bench.held_bytes(model, batch, method) == (measure_held(model.train(), batch)[0], 0)
-    # Transformers' (non-reentrant) checkpoint keeps layer inputs outside saved-tensor hooks; the
-    # reentrant one saves them through the hooks, plus an RNG state per layer that we count too
-    ckpt, _ = bench.held_bytes(model, batch, "ckpt")
-    bench.setup(model, "none")
+    model.train()
+    for config in (None, hd.DivisionConfig(), hd.DivisionConfig(method="actnn")):
+        if config is not None:
+            hd.apply_division(model, config)
+        held = account(model, batch)
+        assert held.host_bytes == 0 and held.total == sum(held.by_kind.values()) == held_bytes(model, batch)[0]
+        hd.remove_division(model)
+    # a reentrant checkpoint saves the layer inputs through the hooks and keeps an RNG state per
+    # layer outside them; the non-reentrant one keeps both outside: the same bytes
+    layers, rng = model.config.num_hidden_layers, torch.get_rng_state().nbytes
     model.activation_checkpointing_enable({"use_reentrant": True})
-    layers = model.config.num_hidden_layers
-    assert ckpt == measure_held(model.train(), batch)[0] + layers * torch.get_rng_state().nbytes
-    bench.setup(model, "none")
+    reentrant = account(model, batch).total
+    assert reentrant == hooked_bytes(model, batch) + layers * rng
+    model.activation_checkpointing_disable()
+    model.activation_checkpointing_enable()
+    assert account(model, batch).total == reentrant
+    model.activation_checkpointing_disable()
     # save_on_cpu on a CPU model moves nothing: everything stays held where it was
-    assert bench.held_bytes(model, batch, "save_on_cpu") == bench.held_bytes(model, batch, "none")
+    plain = account(model, batch)
+    assert account(model, batch, offload=True) == plain
+    assert account(model, batch, autocast=torch.bfloat16).total < plain.total
 
 
-def test_bad_sizes_name_the_option(bench):
-    with pytest.raises(ValueError, match="--sizes"):
-        bench.parse_sizes(["32"])
+def test_unknown_model_and_bad_sizes_name_the_option():
     with pytest.raises(ValueError, match="--models"):
-        bench.build_model("gpt5", "sdpa", "cpu", torch.float32)
+        build_classifier("gpt5", "sdpa", "cpu", torch.float32)
+    res = subprocess.run([sys.executable, SCRIPT, "--sizes", "32"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "--sizes: expected BATCHxSEQ" in res.stderr, res.stderr[-3000:]
 
 
 def test_quick_run_writes_sane_outputs(tmp_path):

@@ -4,7 +4,7 @@ FSDP2 ``fully_shard`` through ``torch.distributed.run``; losses compared with on
 ``accelerate launch --cpu --num_processes 2`` starts *one* process in Accelerate 1.15 (its CPU
 launcher goes multi-process only through mpirun), so the 2-process CPU launch is
 ``ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2`` (torchrun underneath,
-gloo backend, ``DistributedType.MULTI_CPU``). Tolerances are measured (docs/SCALE.md): the two runs
+gloo backend, ``DistributedType.MULTI_CPU``). Tolerances are measured (docs/RESULTS.md, "Distributed: two processes against one"): the two runs
 see the same examples per optimizer step but draw different rounding noise (the noise seed mixes in
 the rank), so losses after the first update differ by about the noise's effect on the weights.
 Run as a script, this file is the FSDP worker (``python -m torch.distributed.run ... fsdp``) or
@@ -21,15 +21,14 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLUE = os.path.join(ROOT, "tests", "fixtures", "glue")
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
+SCRIPTS = os.path.join(ROOT, "scripts")
 
 #: max |loss difference| per step, 2 processes vs 1, with division: about 3x the largest measured over
-#: seeds 0-4 by ``python tests/test_distributed.py measure`` (docs/SCALE.md). Step 1 runs before any
-#: update (float rounding only); later steps carry the different rounding noise of the two runs.
-LOOP_TOL = [1e-6, 2.5e-3, 3e-3]  # measured 6.0e-08 7.6e-04 1.0e-03 (without division 6.0e-08 9.4e-06 1.6e-05)
-GLUE_TOL = [1e-6, 1.5e-3]  # measured 1.2e-07 4.7e-04 (without division 1.2e-07 6.0e-08)
-FSDP_TOL = [1e-6, 2e-3, 4e-3]  # measured FSDP2 6.0e-08 6.9e-04 7.8e-04, FSDP1 6.0e-08 4.2e-04 5.8e-04
-#                                 (without division both 6.0e-08 0 6.0e-08)
+#: seeds 0-4 by ``python tests/test_distributed.py measure`` (docs/RESULTS.md, "Distributed: two processes against one"). Step 1 runs
+#: before any update (float rounding only); later steps carry the different rounding noise of the two runs.
+LOOP_TOL = [1e-6, 2.5e-3, 3e-3]
+GLUE_TOL = [1e-6, 1.5e-3]
+FSDP_TOL = [1e-6, 2e-3, 4e-3]
 
 
 def _port() -> int:
@@ -51,12 +50,10 @@ def _env():
 def _run(cmd, timeout=240, attempts=3):
     """Run a launcher; relaunch when a worker died of SIGABRT before doing anything.
 
-    Why: under pytest (never in 12 direct launches of the same command), a worker sometimes
-    aborted at its first torch.compile (of the compressor's kernels) with "terminate called
-    without an active exception" and no Python frame (PYTHONFAULTHANDLER): 2 of 5 runs of
-    test_fsdp_two_processes, also before the token-group compressor. With inductor compiling
-    in-process (TORCHINDUCTOR_COMPILE_THREADS=1, ``_env``) 14 of 14 runs passed without a retry;
-    the relaunch stays as a safety net. Any other failure fails at once."""
+    Why: under pytest a launched worker can abort at its first torch.compile with "terminate called
+    without an active exception" (docs/GUIDE.md, "Distributed": the known issue with inductor's compile
+    workers). Inductor compiling in-process (``_env``) avoids it; the relaunch is a safety net. Any
+    other failure fails at once."""
     for _ in range(attempts):
         proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         if proc.returncode == 0 or "terminate called without an active exception" not in proc.stderr:
@@ -68,7 +65,12 @@ def _run(cmd, timeout=240, attempts=3):
 def accelerate_launch(script, args, nproc=2):
     return _run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                 "--main_process_port", str(_port()), os.path.join(ROOT, "scripts", script), *args])
+                 "--main_process_port", str(_port()), os.path.join(SCRIPTS, script), *args])
+
+
+def run_script(script, args):
+    """One plain process: the single-process reference runs (and one without the launcher)."""
+    return _run([sys.executable, os.path.join(SCRIPTS, script), *args])
 
 
 def make_tiny_dir(path) -> str:
@@ -76,7 +78,7 @@ def make_tiny_dir(path) -> str:
     real MiniLM tokenizer, saved like a hub model."""
     from transformers import AutoTokenizer, BertConfig, BertModel
 
-    from hf_division.minilm import minilm_path
+    from hf_division.zoo import minilm_path
 
     tok = AutoTokenizer.from_pretrained(minilm_path())
     torch.manual_seed(0)
@@ -124,8 +126,6 @@ def _within(diffs, tol):
 def compare_loop(model_dir, out, seed=0, division=True):
     """Custom loop, bf16 autocast, gradient accumulation 2: 2 processes x 2 examples vs 1 process
     x 4 examples per micro-batch (the same 8 examples per optimizer step). -> (2-process results, diffs)"""
-    import train_accelerate
-
     common = ["--glue_dir", GLUE, "--task_name", "rte", "--model_name_or_path", model_dir, "--max_steps", "3",
               "--gradient_accumulation_steps", "2", "--max_seq_length", "32", "--mixed_precision", "bf16",
               "--learning_rate", "1e-3", "--seed", str(seed), "--do_eval", "false",
@@ -133,10 +133,9 @@ def compare_loop(model_dir, out, seed=0, division=True):
     accelerate_launch("train_accelerate.py", [*common, "--per_device_train_batch_size", "2", "--output_dir", f"{out}/two"])
     with open(f"{out}/two/results.json") as f:
         two = json.load(f)
-    try:
-        one = train_accelerate.main([*common, "--per_device_train_batch_size", "4", "--output_dir", f"{out}/one"])
-    finally:
-        reset_accelerate()
+    run_script("train_accelerate.py", [*common, "--per_device_train_batch_size", "4", "--output_dir", f"{out}/one"])
+    with open(f"{out}/one/results.json") as f:
+        one = json.load(f)
     return two, _diffs(two["train_losses"], one["train_losses"])
 
 
@@ -149,29 +148,25 @@ def test_accelerate_loop_two_processes(tiny_dir, tmp_path):
 
 
 def test_accelerate_loop_single_process_fp32(tiny_dir, tmp_path):
-    import train_accelerate
+    from hf_division.glue import parse_loop_args
 
-    try:
-        res = train_accelerate.main(["--glue_dir", GLUE, "--task_name", "mrpc", "--model_name_or_path", tiny_dir,
-                                     "--division", "--max_steps", "2", "--per_device_train_batch_size", "4",
-                                     "--max_seq_length", "32", "--mixed_precision", "no", "--output_dir", str(tmp_path)])
-    finally:
-        reset_accelerate()
+    run_script("train_accelerate.py", ["--glue_dir", GLUE, "--task_name", "mrpc", "--model_name_or_path", tiny_dir,
+                                       "--division", "--max_steps", "2", "--per_device_train_batch_size", "4",
+                                       "--max_seq_length", "32", "--mixed_precision", "no", "--output_dir", str(tmp_path)])
+    with open(tmp_path / "results.json") as f:
+        res = json.load(f)
     assert res["num_processes"] == 1 and res["mixed_precision"] == "no" and res["division_applied_per_process"] == [1.0]
     assert len(res["train_losses"]) == 2 and all(0 < x < 10 for x in res["train_losses"])
     assert set(res["eval_metrics"]) >= {"accuracy", "f1"}
-    with open(tmp_path / "results.json") as f:
-        assert json.load(f)["train_losses"] == res["train_losses"]
     with pytest.raises(ValueError, match="mixed_precision"):
-        train_accelerate.main(["--output_dir", str(tmp_path), "--mixed_precision", "fp8"])
-    try:  # Accelerate does not autocast fp16 on CPU (it would train in float32): the script refuses
-        with pytest.raises(ValueError, match="fp16 on CPU"):
-            train_accelerate.main(["--output_dir", str(tmp_path), "--mixed_precision", "fp16", "--glue_dir", GLUE,
-                                   "--model_name_or_path", tiny_dir])
-    finally:
-        reset_accelerate()
+        parse_loop_args(["--output_dir", str(tmp_path), "--mixed_precision", "fp8"])
     with pytest.raises(ValueError, match="task_name"):
-        train_accelerate.main(["--output_dir", str(tmp_path), "--task_name", "mnlx"])
+        parse_loop_args(["--output_dir", str(tmp_path), "--task_name", "mnlx"])
+    # Accelerate does not autocast fp16 on CPU (it would train in float32): the script refuses
+    proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "train_accelerate.py"), "--output_dir", str(tmp_path),
+                           "--mixed_precision", "fp16", "--glue_dir", GLUE, "--model_name_or_path", tiny_dir],
+                          env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode != 0 and "fp16 on CPU" in proc.stderr, proc.stderr[-3000:]
 
 
 def test_prepare_division_after_prepare_and_on_ddp(monkeypatch):
@@ -214,20 +209,15 @@ def compare_glue(model_dir, out, seed=0, division=True):
     """scripts/run_glue.py (Trainer): 2 processes x 4 vs 1 process x 8 examples. -> (epochs, diffs)
 
     ``--average_tokens_across_devices false``: with Transformers 5.24's default (true) a sequence
-    classifier's loss is multiplied by the number of processes (reported and back-propagated;
-    measured 2x, with or without division), which would hide a real mismatch."""
-    import run_glue
-
+    classifier's loss is multiplied by the number of processes (reported and back-propagated, with
+    or without division), which would hide a real mismatch."""
     common = ["--model_name_or_path", model_dir, "--glue_dir", GLUE, "--task_name", "rte", "--do_train",
               "--max_steps", "2", "--max_seq_length", "32", "--report_to", "none", "--disable_tqdm", "true",
               "--save_strategy", "no", "--use_cpu", "--logging_steps", "1", "--learning_rate", "1e-3",
               "--average_tokens_across_devices", "false", "--seed", str(seed),
               *(["--division", "--division_min_numel", "0"] if division else [])]
     accelerate_launch("run_glue.py", [*common, "--per_device_train_batch_size", "4", "--output_dir", f"{out}/two"])
-    try:
-        run_glue.main([*common, "--per_device_train_batch_size", "8", "--output_dir", f"{out}/one"])
-    finally:
-        reset_accelerate()
+    run_script("run_glue.py", [*common, "--per_device_train_batch_size", "8", "--output_dir", f"{out}/one"])
 
     def losses(name):
         with open(f"{out}/{name}/trainer_state.json") as f:
@@ -284,7 +274,7 @@ def _fsdp_step(model, opt, batch, seed, step, world, rank) -> float:
     import hf_division as hd
 
     ids, labels = batch
-    hd.store.reseed(hd.store.step_seed(seed, step, rank))
+    hd.noise.reseed(hd.noise.step_seed(seed, step, rank))
     loss = model(input_ids=ids, labels=labels).loss
     loss.backward()
     opt.step()
@@ -343,7 +333,7 @@ def compare_fsdp(model_dir, out, seed=0, division=True):
 
 def test_fsdp_two_processes(tiny_dir, tmp_path):
     """FSDP2 and FSDP1 with division, launched with torch.distributed.run. (Through ``accelerate
-    launch --use_fsdp`` FSDP does not run on this CPU machine: docs/SCALE.md.)"""
+    launch --use_fsdp`` FSDP does not run on this CPU machine: docs/GUIDE.md, "Distributed".)"""
     two, diffs = compare_fsdp(tiny_dir, tmp_path)
     assert two["world"] == 2
     assert two["fsdp2"]["cls"].startswith("FSDP") and two["fsdp2"]["param"] == "DTensor"
@@ -356,7 +346,7 @@ def test_fsdp_two_processes(tiny_dir, tmp_path):
 
 # ----------------------------------------------------------------------------- measuring the tolerances
 def measure(seeds, only=()) -> None:
-    """Max |loss diff| per step over ``seeds``, with and without division (docs/SCALE.md)."""
+    """Max |loss diff| per step over ``seeds``, with and without division (docs/RESULTS.md, "Distributed: two processes against one")."""
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -377,8 +367,7 @@ def measure(seeds, only=()) -> None:
                           + " ".join(f"{x:.1e}" for x in d), flush=True)
 
 
-if __name__ == "__main__":
-    sys.path.insert(0, ROOT)
+if __name__ == "__main__":  # hf_division comes from PYTHONPATH (``_env``) or the installed package
     if sys.argv[1:2] == ["fsdp"]:
         _fsdp_worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), bool(int(sys.argv[5])))
     elif sys.argv[1:2] == ["measure"]:

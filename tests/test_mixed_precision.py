@@ -1,6 +1,6 @@
 """Mixed precision: bf16/fp16 saved tensors, fp16 range, autocast in backward recomputation.
 
-Figures on real MiniLM and the full Llama-shaped model: ``python scripts/mixed_precision.py``
+Figures on real MiniLM and the full Llama-shaped model: ``python -m hf_division.suites precision``
 (docs/GUIDE.md, "Mixed precision"). Here: tiny-but-shaped configs, CPU autocast.
 """
 import dataclasses

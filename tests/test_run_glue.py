@@ -1,5 +1,6 @@
-"""scripts/run_glue.py on the bundled GLUE fixtures (the original TSV layout, 24 rows per split)
-and ``hf-division run`` on an unmodified example-style script."""
+"""The GLUE pieces of ``hf_division.glue`` on the bundled fixtures (the original TSV layout, 24 rows
+per split), ``scripts/run_glue.py`` end to end, and ``hf-division run`` on an unmodified example-style
+script."""
 import json
 import os
 import subprocess
@@ -9,13 +10,21 @@ import pytest
 import torch
 from transformers import AutoTokenizer, BertConfig, BertModel
 
-from hf_division.glue import compute_metrics, read_split
-from hf_division.minilm import minilm_path
+from hf_division.glue import (
+    build_model,
+    compute_metrics,
+    load_raw,
+    metrics_for,
+    parse_args,
+    read_split,
+    tokenize_splits,
+)
+from hf_division.trainer import Trainer
+from hf_division.zoo import minilm_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLUE = os.path.join(ROOT, "tests", "fixtures", "glue")
-sys.path.insert(0, os.path.join(ROOT, "scripts"))
-import run_glue  # noqa: E402
+ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
 @pytest.fixture(scope="module")
@@ -44,19 +53,19 @@ METRIC = {"cola": "eval_matthews_correlation", "sst2": "eval_accuracy", "mrpc": 
 
 @pytest.mark.parametrize("task", sorted(METRIC))
 def test_every_glue_task_with_division(task, tiny_bert_dir, tmp_path):
-    report = run_glue.main(_args(tiny_bert_dir, tmp_path, task, "--division"))
-    assert report["division"] is True
-    assert METRIC[task] in report["metrics"]
-    mem = report["activation_memory"]
-    assert 0 < mem["division_bytes"] < mem["baseline_bytes"]
-    assert report["peak_memory_bytes"] > 0 and report["train_runtime_s"] > 0
-    with open(tmp_path / "all_results.json") as f:
-        saved = json.load(f)
-    assert saved[METRIC[task]] == pytest.approx(report["metrics"][METRIC[task]])
-    assert saved["activation_division_bytes"] == mem["division_bytes"]
+    model_args, data_args, training_args, lora_args = parse_args(_args(tiny_bert_dir, tmp_path, task, "--division"))
+    raw, num_labels, regression = load_raw(data_args, training_args)
+    assert set(raw) == {"train", "validation"} and (num_labels, regression) == ((1, True) if task == "stsb" else (2, False))
+    model = build_model(model_args, num_labels, regression, lora_args)
+    data, collator = tokenize_splits(raw, AutoTokenizer.from_pretrained(tiny_bert_dir), data_args)
+    assert all(len(ex["input_ids"]) == 64 for ex in data["train"])  # padded to max_seq_length
+    trainer = Trainer(model=model, args=training_args, train_dataset=data["train"], eval_dataset=data["validation"],
+                      data_collator=collator, compute_metrics=metrics_for(data_args.task_name, regression))
+    assert trainer.train().global_step == 2
+    assert METRIC[task] in trainer.evaluate()
 
 
-def test_lora_flags_and_json_args_file(tiny_bert_dir, tmp_path):
+def test_run_glue_script_with_lora_and_json_args_file(tiny_bert_dir, tmp_path):
     args = _args(tiny_bert_dir, tmp_path / "out", "mrpc", "--division", "--use_lora", "--lora_r", "4",
                  "--lora_target_modules", "query", "value", "--pad_to_max_length", "false")
     # the same arguments as one JSON file (the Transformers example convention)
@@ -78,19 +87,30 @@ def test_lora_flags_and_json_args_file(tiny_bert_dir, tmp_path):
     assert set(keys) == set(parsed)
     path = tmp_path / "args.json"
     path.write_text(json.dumps(parsed))
-    report = run_glue.main([str(path)])
-    assert report["use_lora"] and report["division"]
-    assert os.path.isfile(tmp_path / "out" / "adapter_config.json")
-    assert report["activation_memory"]["division_bytes"] < report["activation_memory"]["baseline_bytes"]
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "run_glue.py"), str(path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "out"
+    report = json.loads((out / "division_report.json").read_text())
+    assert report["use_lora"] and report["division"] and report["task_name"] == "mrpc"
+    assert os.path.isfile(out / "adapter_config.json")
+    mem = report["activation_memory"]
+    assert 0 < mem["division_bytes"] < mem["baseline_bytes"]
+    assert report["peak_memory_bytes"] > 0 and report["train_runtime_s"] > 0
+    saved = json.loads((out / "all_results.json").read_text())
+    assert saved["eval_f1"] == pytest.approx(report["metrics"]["eval_f1"])
+    assert saved["activation_division_bytes"] == mem["division_bytes"]
+    assert "activation bytes held for backward" in proc.stdout
 
 
 def test_bad_inputs_name_the_problem(tiny_bert_dir, tmp_path):
     with pytest.raises(ValueError, match="task_name 'mnlx'"):
-        run_glue.main(_args(tiny_bert_dir, tmp_path, "mnlx"))
+        parse_args(_args(tiny_bert_dir, tmp_path, "mnlx"))
+    _, data_args, training_args, _ = parse_args(_args(tiny_bert_dir, tmp_path, "qnli"))
     with pytest.raises(FileNotFoundError, match="no train file"):
-        run_glue.main(_args(tiny_bert_dir, tmp_path, "qnli"))  # QNLI ships no train.tsv
+        load_raw(data_args, training_args)  # QNLI ships no train.tsv
     with pytest.raises(ValueError, match="division_linear_bits"):
-        run_glue.main(_args(tiny_bert_dir, tmp_path, "rte", "--division_linear_bits", "3"))
+        parse_args(_args(tiny_bert_dir, tmp_path, "rte", "--division_linear_bits", "3"))
 
 
 def test_tsv_quirks_and_metrics():
@@ -128,12 +148,14 @@ def main():
                             "labels": torch.randint(0, 2, (16,), generator=g).tolist()})
     trainer = Trainer(model=model, args=args, train_dataset=ds)
     trainer.train()
-    patched = getattr(model, "_division_state", None)
+    from hf_division.api import division_config_of  # only to report what hf-division did
+
+    patched = division_config_of(model)
     with open(args.output_dir + "/seen.json", "w") as f:
         json.dump({"division": getattr(args, "division", None),
                    "block_size": getattr(args, "division_block_size", None),
                    "patched": patched is not None,
-                   "block_size_used": patched.config.block_size if patched else None}, f)
+                   "block_size_used": patched.block_size if patched else None}, f)
 
 
 if __name__ == "__main__":
@@ -150,8 +172,7 @@ def test_unmodified_script_runs_with_division(entry, tiny_bert_dir, tmp_path):
     cmd = [sys.executable, *entry, str(script), "--output_dir", str(out), "--max_steps", "2",
            "--per_device_train_batch_size", "8", "--report_to", "none", "--save_strategy", "no",
            "--division", "--division_block_size", "8"]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = json.loads((out / "seen.json").read_text())
     assert seen == {"division": True, "block_size": 8, "patched": True, "block_size_used": 8}
@@ -164,7 +185,6 @@ def test_run_without_division_flag_leaves_model_alone(tiny_bert_dir, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "hf_division.run", str(script), "--output_dir", str(out), "--max_steps", "1",
            "--report_to", "none", "--save_strategy", "no"]
-    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((out / "seen.json").read_text())["patched"] is False

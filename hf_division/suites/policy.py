@@ -1,18 +1,18 @@
-"""Measure gradient cosine and bytes held for candidate precision policies (docs/POLICY.md).
+"""Measure gradient cosine and bytes held for candidate precision policies (docs/RESULTS.md, "Precision policy on MiniLM").
 
-python scripts/policy_search.py --data ../shared/data/glue/SST-2/dev.tsv [--attn eager] [--seeds 0 1 2]
-Each row: one DivisionConfig (fields not named keep their defaults); cosine = min over seeds.
+python -m hf_division.suites policy --data ../shared/data/glue/SST-2/dev.tsv [--attn eager] [--seeds 0 1 2]
+Real MiniLM-L6 on the first 32 rows of the TSV padded to 128 tokens. Each row: one DivisionConfig
+(fields not named keep their defaults); cosine = min and mean over seeds.
 """
+from __future__ import annotations
+
 import argparse
 import json
-import sys
 
-import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-from hf_division import DivisionConfig, measure_activation_memory
-from hf_division.fidelity import gradient_cosine
-from hf_division.minilm import minilm_path, sst2_batch
+from ..config import DivisionConfig
+from ..textdata import classification_batch, sst2_rows
+from ..zoo import build_classifier, minilm_tokenizer
+from .common import measure_config, read_json, set_threads, write_json
 
 OFF = dict(linear_bits=0, attention_bits=0, activation_bits=0, norm_bits=0, dropout_bits=False)
 CANDIDATES = {
@@ -34,8 +34,19 @@ CANDIDATES = {
 }
 
 
+def candidates(only, extra) -> dict:
+    """The candidates to run: ``only`` (names; None: all) of :data:`CANDIDATES`, then every
+    ``NAME=JSON`` of ``extra`` (run whatever ``only`` says)."""
+    cands, extra_names = dict(CANDIDATES), set()
+    for e in extra:
+        name, js = e.split("=", 1)
+        cands[name] = json.loads(js)
+        extra_names.add(name)
+    return {name: kw for name, kw in cands.items() if only is None or name in only or name in extra_names}
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m hf_division.suites policy", description=__doc__)
     ap.add_argument("--data", required=True, help="SST-2 dev.tsv")
     ap.add_argument("--attn", default="eager", choices=["eager", "sdpa"])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -46,37 +57,26 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.render:
         return render(args.render)
-    torch.set_num_threads(2)
-    path = minilm_path()
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2, attn_implementation=args.attn)
-    batch = sst2_batch(tok, args.data)
-    cands, extra_names = dict(CANDIDATES), set()
-    for e in args.extra:
-        name, js = e.split("=", 1)
-        cands[name] = json.loads(js)
-        extra_names.add(name)
+    set_threads(2)
+    tok = minilm_tokenizer()
+    model = build_classifier("minilm", args.attn)
+    batch = classification_batch(tok, sst2_rows(args.data), 32, 128)
     rows = []
     print(f"{'policy':<30} {'MiB held':>9} {'ratio':>6} {'cos min':>8} {'cos mean':>8}")
-    for name, kw in cands.items():
-        if args.only is not None and name not in args.only and name not in extra_names:
-            continue
-        cfg = DivisionConfig(**kw)
-        cos = gradient_cosine(model, batch, cfg, seeds=args.seeds)
-        mem = measure_activation_memory(model, batch, cfg)
-        row = dict(policy=name, config=kw, division_bytes=mem.division_bytes, baseline_bytes=mem.baseline_bytes,
-                   ratio=mem.ratio, cos_min=min(cos), cos_mean=sum(cos) / len(cos), by_kind=mem.by_kind)
-        rows.append(row)
-        print(f"{name:<30} {mem.division_bytes / 2**20:>9.1f} {mem.ratio:>6.1f} {min(cos):>8.4f} {row['cos_mean']:>8.4f}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    for name, kw in candidates(args.only, args.extra).items():
+        m = measure_config(model, batch, DivisionConfig(**kw), args.seeds)
+        mem = m.memory
+        rows.append(dict(policy=name, config=kw, division_bytes=mem.division_bytes, baseline_bytes=mem.baseline_bytes,
+                         ratio=mem.ratio, cos_min=m.cos_min, cos_mean=m.cos_mean, by_kind=mem.by_kind))
+        print(f"{name:<30} {mem.division_bytes / 2**20:>9.1f} {mem.ratio:>6.1f} {m.cos_min:>8.4f} {m.cos_mean:>8.4f}",
+              flush=True)
+    write_json(args.json, rows)
 
 
 def render(path):
-    with open(path) as f:
-        rows = json.load(f)
-    print("| policy: changes from the default config | kinds changed, MiB baseline->division | total MiB baseline | total MiB division | ratio | cos min | cos mean |")
+    rows = read_json(path)
+    print("| policy: changes from the default config | kinds changed, MiB baseline->division | total MiB baseline "
+          "| total MiB division | ratio | cos min | cos mean |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
         kinds = [k for k, (b, d) in r["by_kind"].items() if d < b]
@@ -84,7 +84,3 @@ def render(path):
         cfg = ", ".join(f"{k}={v}" for k, v in r["config"].items()) or "(default)"
         print(f"| {r['policy']}: `{cfg}` | {detail} | {r['baseline_bytes'] / 2**20:.0f} "
               f"| {r['division_bytes'] / 2**20:.1f} | {r['ratio']:.1f} | {r['cos_min']:.4f} | {r['cos_mean']:.4f} |")
-
-
-if __name__ == "__main__":
-    sys.exit(main())

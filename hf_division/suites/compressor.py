@@ -1,6 +1,6 @@
-"""Where compression time goes on this machine: the numbers quoted in docs/DESIGN.md.
+"""Where compression time goes on this machine (docs/DESIGN.md, Compressor).
 
-python scripts/profile_compressor.py [--threads 2]
+python -m hf_division.suites compressor [--threads 2]
 
 Times (median of 7) for a (32, 128, 1536) float32 tensor: compress/decompress with DIVISION's
 token groups (4 bits, LFC over 16 tokens) and ActNN's flat groups (2 bits), eager and fused
@@ -8,14 +8,17 @@ token groups (4 bits, LFC over 16 tokens) and ActNN's flat groups (2 bits), eage
 and dynamic shapes (why chunks); and the random sources: torch.rand_like, our 16-bit noise, and
 bernoulli_ (dropout's draw).
 """
+from __future__ import annotations
+
 import argparse
 import statistics
 import time
 
 import torch
 
-from hf_division import compressor
-from hf_division.compressor import compress, decompress, encode_tokens, noise_words, uniform
+from ..compressor import compress, decompress, set_fused
+from ..quant import encode_tokens, noise_words, uniform
+from .common import set_threads
 
 
 def timeit(fn, k=7):
@@ -28,21 +31,22 @@ def timeit(fn, k=7):
     return statistics.median(ts)
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    x = torch.randn(32, 128, 1536)
-    n = x.numel()
+def compressor_times(x) -> dict:
+    """compress/decompress seconds per grouping, eager and fused."""
     rows = {}
     for name, kw in (("division, tokens", dict(bits=4, block_size=16)), ("actnn, flat", dict(bits=2, grouping="flat"))):
         p = compress(x, **kw)
         for fused in (False, True):
-            compressor.set_fused(fused)
+            set_fused(fused)
             compress(x, **kw), decompress(p)  # warm-up (compiles the chunk kernels when fused)
             rows[f"compress ({name}, fused={fused})"] = timeit(lambda: compress(x, **kw))
             rows[f"decompress ({name}, fused={fused})"] = timeit(lambda: decompress(p))
+    return rows
+
+
+def whole_tensor_times(x) -> dict:
+    """The token kernel compiled over the whole tensor in one call (compile warm-up included)."""
+    rows = {}
     seed = torch.tensor(12345)
     tokens = x.view(-1, 1536)
     for dynamic in (False, True):
@@ -51,7 +55,19 @@ def main(argv=None):
         compiled(tokens, seed, 4, 16, 256, torch.bfloat16)
         rows[f"  (torch.compile dynamic={dynamic} warm-up, s)"] = time.perf_counter() - t0
         rows[f"encode_tokens, whole tensor (dynamic={dynamic})"] = timeit(lambda: compiled(tokens, seed, 4, 16, 256, torch.bfloat16))
-    compressor.set_fused(True)
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m hf_division.suites compressor", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+    set_threads(args.threads)
+    x = torch.randn(32, 128, 1536)
+    n = x.numel()
+    rows = {**compressor_times(x), **whole_tensor_times(x)}
+    set_fused(True)
     rows["torch.rand_like"] = timeit(lambda: torch.rand_like(x))
     rows["noise_words + uniform (16-bit)"] = timeit(lambda: uniform(noise_words(n, x.device)))
     rows["bernoulli_ (dropout draw)"] = timeit(lambda: torch.empty_like(x).bernoulli_(0.9))
@@ -62,7 +78,3 @@ def main(argv=None):
             print(f"{k:<46} {v:>8.1f}")
         else:
             print(f"{k:<46} {v * 1e3:>8.1f} {v * 1e9 / n:>11.2f}")
-
-
-if __name__ == "__main__":
-    main()

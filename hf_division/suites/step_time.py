@@ -1,26 +1,33 @@
 """Training step time: baseline vs division vs activation checkpointing, interleaved, medians.
 
-python scripts/step_time.py [--batch 32 --seq 128 --rounds 7] [--attn sdpa] [--division_<field> V ...]
-python scripts/step_time.py --profile [--top 25]   # where the time goes: torch.profiler, per op
+python -m hf_division.suites step-time [--batch 32 --seq 128 --rounds 7] [--attn sdpa] [--division_<field> V ...]
+python -m hf_division.suites step-time --profile [--top 25]   # where the time goes: torch.profiler, per op
 
 Real MiniLM-L6. Each round times one step (forward + backward) of every method in turn, so
 machine noise hits all methods alike; the report gives each method's median and its ratio to
 the baseline's median.
 """
+from __future__ import annotations
+
 import argparse
 import copy
-import statistics
-import time
 
 import torch
-from transformers import AutoModelForSequenceClassification, HfArgumentParser
+from transformers import HfArgumentParser
 
-from hf_division import DivisionConfig, apply_division
-from hf_division.minilm import minilm_path
+from ..config import DivisionConfig
+from ..api import apply_division
+from ..timing import interleaved_medians, timed
+from ..zoo import build_classifier
+
+
+def step(model, batch) -> None:
+    model(**batch).loss.backward()
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m hf_division.suites step-time", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=7)
@@ -31,7 +38,7 @@ def main(argv=None):
     args, rest = ap.parse_known_args(argv)
     (dc,) = HfArgumentParser(DivisionConfig).parse_args_into_dataclasses([a.replace("--division_", "--") for a in rest])
     torch.set_num_threads(args.threads)
-    base = AutoModelForSequenceClassification.from_pretrained(minilm_path(), num_labels=2, attn_implementation=args.attn)
+    base = build_classifier("minilm", args.attn)
     methods = {"baseline": base, "division": apply_division(copy.deepcopy(base), dc)}
     ckpt = copy.deepcopy(base)
     ckpt.activation_checkpointing_enable()
@@ -41,21 +48,19 @@ def main(argv=None):
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.zeros(args.batch, dtype=torch.long)}
     if args.profile:
         return profile(methods, batch, args.top)
-    times = {name: [] for name in methods}
-    for r in range(args.rounds + 1):
-        for name, model in methods.items():
-            model.train()
-            t0 = time.perf_counter()
-            model(**batch).loss.backward()
-            dt = time.perf_counter() - t0
-            model.zero_grad(set_to_none=True)
-            if r:  # round 0 warms up
-                times[name].append(dt)
-    med = {k: statistics.median(v) for k, v in times.items()}
+
+    def seconds(name):
+        model = methods[name]
+        dt = timed(lambda: step(model, batch))
+        model.zero_grad(set_to_none=True)
+        return dt
+
+    med = interleaved_medians(list(methods), seconds, args.rounds)
     print(f"MiniLM-L6, batch {args.batch} x {args.seq}, attn {args.attn}, {args.rounds} interleaved rounds, {args.threads} threads")
     print(f"{'method':<14} {'median s':>9} {'ratio':>6}")
     for k, v in med.items():
         print(f"{k:<14} {v:>9.3f} {v / med['baseline']:>6.2f}")
+
 
 
 def profile(methods, batch, top):
@@ -65,12 +70,12 @@ def profile(methods, batch, top):
 
     per = {}
     for name in ("baseline", "division"):
-        model = methods[name].train()
+        model = methods[name]
         for _ in range(2):  # warm up (torch.compile of the compressor kernels)
-            model(**batch).loss.backward()
+            step(model, batch)
         model.zero_grad(set_to_none=True)
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-            model(**batch).loss.backward()
+            step(model, batch)
         per[name] = {e.key: (e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()}
     total = {k: sum(ms for ms, _ in v.values()) for k, v in per.items()}
     print(f"self CPU ms of one step (profiler overhead included): baseline {total['baseline']:.0f}, "
@@ -81,7 +86,3 @@ def profile(methods, batch, top):
     for k in diff[:top]:
         b, d = per["baseline"].get(k, (0.0, 0)), per["division"].get(k, (0.0, 0))
         print(f"{k[:58]:<58} {b[0]:>11.1f} {d[0]:>11.1f} {b[1]:>4}/{d[1]:<5}")
-
-
-if __name__ == "__main__":
-    main()

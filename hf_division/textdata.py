@@ -1,0 +1,57 @@
+"""The text the project measures on: GLUE TSV files (SST-2 by default) turned into training batches."""
+from __future__ import annotations
+
+import csv
+import os
+
+import torch
+
+#: 200 real SST-2 dev rows shipped with the package, for runs without the GLUE download
+BUNDLED_SST2_DEV = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sst2_dev_sample.tsv")
+
+
+def read_tsv(path: str) -> list[list[str]]:
+    """Every line of a GLUE TSV file split on tabs, header included; no quoting (GLUE's text
+    holds bare quote characters)."""
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+
+
+def sst2_rows(path: str) -> list[tuple[str, int]]:
+    """``(sentence, label)`` per row of an SST-2 TSV file (``sentence<TAB>label`` after a header)."""
+    return [(r[0], int(r[1])) for r in read_tsv(path)[1:] if r]
+
+
+def classification_batch(tokenizer, rows, batch: int, seq: int, device="cpu", offset: int = 0,
+                         token_type_ids: bool = True) -> dict:
+    """``batch`` rows from ``offset`` (cycling if there are fewer), padded and truncated to ``seq``
+    tokens, with ``labels``. ``token_type_ids=False`` drops them (Llama takes none; BERT's are all
+    zero for single sentences)."""
+    picked = [rows[(offset + i) % len(rows)] for i in range(batch)]
+    enc = tokenizer([s for s, _ in picked], padding="max_length", max_length=seq, truncation=True, return_tensors="pt")
+    out = dict(enc, labels=torch.tensor([y for _, y in picked]))
+    if not token_type_ids:
+        out.pop("token_type_ids", None)
+    return {k: v.to(device) for k, v in out.items()}
+
+
+def causal_lm_batch(tsv: str, tokenizer, batch: int = 4, seq: int = 128) -> dict:
+    """``batch x seq`` token ids packed from the sentences of a GLUE TSV (first column, joined with
+    the tokenizer's eos token, no padding); labels = ids (causal-LM loss). int64 tensors."""
+    rows = read_tsv(tsv)
+    if not rows or rows[0][0] != "sentence":
+        raise ValueError(f"{tsv}: expected a GLUE TSV whose first column is 'sentence'")
+    ids = tokenizer(tokenizer.eos_token.join(r[0].strip() for r in rows[1:]))["input_ids"]
+    need = batch * seq
+    if len(ids) < need:
+        raise ValueError(f"{tsv}: {len(ids)} tokens, fewer than batch x seq = {need}")
+    x = torch.tensor(ids[:need]).view(batch, seq)
+    return {"input_ids": x, "labels": x.clone()}
+
+
+def random_tokens(vocab_size: int, batch: int, seq: int, seed: int, num_labels: int = 2) -> dict:
+    """``batch x seq`` random token ids in ``[1, vocab_size)`` and one label per row, drawn from a
+    generator seeded with ``seed`` (torch's global RNG untouched)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab_size, (batch, seq), generator=g)
+    return {"input_ids": ids, "labels": torch.randint(0, num_labels, (batch,), generator=g)}

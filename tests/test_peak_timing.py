@@ -1,0 +1,72 @@
+"""The measuring helpers: peak memory (``hf_division.peak``), interleaved step times
+(``hf_division.timing``) and the suites built on them (``step-time``, ``memory``)."""
+import os
+import re
+
+import pytest
+import torch
+
+from hf_division import suites
+from hf_division.peak import MALLOC_ENV, forked, run_clean, step_peak
+from hf_division.timing import interleaved_medians, timed
+
+
+def test_interleaved_medians_rotate_and_drop_the_warm_up_round():
+    calls, cost = [], {"a": [9, 1, 2, 3], "b": [9, 5, 6, 7], "c": [9, 4, 4, 4]}
+
+    def seconds(name):
+        calls.append(name)
+        return cost[name][sum(c == name for c in calls) - 1]
+
+    assert interleaved_medians(["a", "b", "c"], seconds, rounds=3) == {"a": 2, "b": 6, "c": 4}
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    assert 0 <= timed(lambda: None) < 1
+
+
+def test_step_peak_sees_a_step_s_transient_allocation():
+    keep = torch.ones(2**22)  # held across the step: not part of its peak
+
+    def step():
+        t = torch.ones(2**24)  # 64 MiB, freed when the step returns
+        return t.sum()
+
+    peak, how = step_peak(step)
+    assert 60 * 2**20 <= peak < 100 * 2**20, (peak, how)
+    assert how.startswith(("RSS", "ru_maxrss")) and keep.numel() == 2**22
+
+
+def test_forked_runs_each_job_in_a_child_and_reports_failures():
+    assert forked(lambda x: {"pid": os.getpid(), "x": x * 2}, [1, 2])[1]["x"] == 4
+    assert all(r["pid"] != os.getpid() for r in forked(lambda x: {"pid": os.getpid()}, [0]))
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        forked(lambda x: 1 / x, [1, 0])
+
+
+def test_run_clean_sets_glibc_mmap_threshold():
+    code = "import json, os; print('noise'); print(json.dumps({k: os.environ.get(k) for k in %r}))" % list(MALLOC_ENV)
+    assert run_clean(["-c", code], "env check") == MALLOC_ENV
+    with pytest.raises(RuntimeError, match="failing run failed"):
+        run_clean(["-c", "raise SystemExit(3)"], "failing run")
+
+
+def test_memory_suite(capsys):
+    """(``--rss`` runs the same forward in fresh processes through ``run_clean`` and ``forked``,
+    tested above and by the benchmark's end-to-end run; here it would compile the kernels twice more.)"""
+    suites.run("memory", ["--config", "bert-base-2l", "--batch", "4", "--seq", "64", "--division_linear_bits", "4"])
+    out = capsys.readouterr().out
+    assert "linear_bits=4" in out.splitlines()[0]
+    total = re.search(r"^total\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", out, re.M)
+    base, div, ratio = (float(x) for x in total.groups())
+    assert div < base / 4 and ratio == pytest.approx(base / div, rel=0.05), out
+
+
+@pytest.mark.parametrize("extra", [[], ["--profile", "--top", "3"]])
+def test_step_time_suite(extra, capsys):
+    suites.run("step-time", ["--batch", "2", "--seq", "16", "--rounds", "1", "--threads", "1",
+                             "--division_block_size", "8", *extra])
+    out = capsys.readouterr().out
+    if extra:
+        assert "self CPU ms of one step" in out and len(out.strip().splitlines()) == 2 + 3
+    else:
+        rows = {line.split()[0]: float(line.split()[2]) for line in out.splitlines()[2:]}
+        assert set(rows) == {"baseline", "division", "checkpointing"} and rows["baseline"] == 1.0

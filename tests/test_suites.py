@@ -1,0 +1,93 @@
+"""The measurement suites: registry, command line, and the shared model x config loop."""
+import importlib
+import json
+
+import pytest
+
+from hf_division import suites
+from hf_division.config import DivisionConfig
+from hf_division.fidelity import gradient_cosine
+from hf_division.measure import measure_activation_memory
+from hf_division.suites.auto_precision import markdown, neighbours
+from hf_division.suites.common import measure_config
+from hf_division.suites.family import POLICIES
+from hf_division.suites.policy import CANDIDATES, candidates, render
+from hf_division.zoo import family_model
+
+from conftest import tiny_batch, tiny_model
+
+OPTIONAL = {"peft": "peft"}  # suite -> the optional package it needs
+
+
+@pytest.mark.parametrize("name", list(suites.SUITES))
+def test_every_suite_has_a_main(name):
+    if name in OPTIONAL:
+        pytest.importorskip(OPTIONAL[name])
+    module = importlib.import_module(suites.SUITES[name], suites.__name__)
+    assert callable(module.main)
+
+
+def test_command_line_dispatch(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        suites.main([])
+    assert exit_.value.code == 2 and "policy" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        suites.main(["no-such-suite"])
+    assert exit_.value.code == 2 and "unknown suite 'no-such-suite'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        suites.main(["policy", "--help"])
+    assert exit_.value.code == 0 and "--only" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="unknown suite"):
+        suites.run("no-such-suite", [])
+
+
+def test_measure_config_is_the_two_public_measurements():
+    model, batch, config = tiny_model("bert"), tiny_batch(2, 32), DivisionConfig(linear_bits=2)
+    m = measure_config(model, batch, config, seeds=(1, 2))
+    assert m.cosines == gradient_cosine(model, batch, config, seeds=(1, 2))
+    assert m.memory == measure_activation_memory(model, batch, config)
+    assert m.cos_min == min(m.cosines) and m.cos_mean == pytest.approx(sum(m.cosines) / 2)
+    first = measure_config(model, batch, config, seeds=(1, 2), memory_first=True)
+    assert first.memory == m.memory and first.cosines == m.cosines  # two seeds: the noise restarts
+
+
+def test_family_suite_end_to_end(capsys):
+    suites.run("family", ["--families", "t5", "--policies", "only linear", "--seeds", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["family", "policy", "cos", "min", "ratio"]
+    label, *name, cos, ratio = lines[1].split()
+    model, batch = family_model("t5")
+    config = DivisionConfig(**POLICIES["only linear"])
+    assert (label, " ".join(name)) == ("t5", "only linear")
+    assert float(cos) == round(min(gradient_cosine(model, batch, config, seeds=(1,))), 4)
+    assert float(ratio) == round(measure_activation_memory(model, batch, config).ratio, 1)
+    with pytest.raises(ValueError, match="--policies: unknown"):
+        suites.run("family", ["--policies", "no such policy"])
+
+
+def test_policy_candidates_and_render(tmp_path, capsys):
+    assert list(candidates(["default", "all 2b"], [])) == ["all 2b", "default"]  # table order, not argument order
+    picked = candidates([], ['default={"block_size": 2}', 'mine={"linear_bits": 8}'])
+    assert picked == {"default": {"block_size": 2}, "mine": {"linear_bits": 8}}
+    assert list(candidates(None, [])) == list(CANDIDATES)
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([dict(policy="x", config={"linear_bits": 2}, division_bytes=2**20, baseline_bytes=2**24,
+                                     ratio=16.0, cos_min=0.9, cos_mean=0.95,
+                                     by_kind={"linear": [2**23, 2**19], "norm": [2**20, 2**20]})]))
+    suites.run("policy", ["--data", "unused", "--render", str(path)])
+    assert capsys.readouterr().out.splitlines()[-1] == \
+        "| x: `linear_bits=2` | linear 8->0.5 | 16 | 1.0 | 16.0 | 0.9000 | 0.9500 |"
+
+
+def test_auto_precision_budgets_and_table():
+    assert neighbours(2.0) == [2] and neighbours(3.0) == [2, 4] and neighbours(9.0) == [8]
+    data = {"date": "d", "command": "c", "rows": [
+        dict(method="division", budget=3.0, setting="auto", avg_bits=2.9, held_mib=1.0, ratio=9.0, cos_min=0.99,
+             cos_mean=0.995, predicted_cos=0.98),
+        dict(method="division", budget=2.0, setting="uniform 2b", avg_bits=2.0, held_mib=0.8, ratio=10.0, cos_min=0.9,
+             cos_mean=0.95, predicted_cos=None)],
+        "units": {"division": [dict(name="l.0", kind="linear", numel=10, probes={"2": 1e-3}, bits={"3": 4})]}}
+    lines = markdown(data).splitlines()
+    assert lines[6] == "| division | 2 | uniform 2b | 2.00 | 0.8 | 10.0 | 0.9000 | 0.9500 |  |"  # budget order
+    assert lines[7].endswith("| 0.9900 | 0.9950 | 0.9800 |")
+    assert lines[-1] == "| l.0 | linear | 10 | 1.00e-03 | 4 |"
