@@ -14,8 +14,11 @@ import sys
 from dataclasses import dataclass, field
 
 import numpy as np
+import peft
 import torch
 from datasets import Dataset, load_dataset
+from scipy.stats import pearsonr, spearmanr
+from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
 from transformers import (
     AutoConfig,
     AutoModelForSequenceClassification,
@@ -110,9 +113,6 @@ def _label(task: GlueTask, value: str, path: str, line: int):
 def compute_metrics(task_name: str, predictions: np.ndarray, labels: np.ndarray) -> dict:
     """GLUE metrics of ``predictions`` (logits ``(N, num_labels)``, or ``(N,)``/``(N, 1)`` scores
     for STS-B) against ``labels`` ``(N,)``."""
-    from scipy.stats import pearsonr, spearmanr
-    from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
-
     key = task_key(task_name)
     predictions = np.asarray(predictions)
     if TASKS[key].is_regression:
@@ -260,8 +260,6 @@ def build_model(model_args: ModelArguments, num_labels: int, regression: bool, l
         ignore_mismatched_sizes=model_args.ignore_mismatched_sizes, revision=model_args.model_revision,
         cache_dir=model_args.cache_dir)
     if lora_args.use_lora:
-        import peft
-
         lora = peft.LoraConfig(task_type=peft.TaskType.SEQ_CLS, r=lora_args.lora_r, lora_alpha=lora_args.lora_alpha,
                                lora_dropout=lora_args.lora_dropout, target_modules=lora_args.lora_target_modules,
                                use_dora=lora_args.use_dora)

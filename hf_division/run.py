@@ -16,6 +16,13 @@ import os
 import runpy
 import sys
 
+import transformers
+import transformers.trainer as hf_trainer
+import transformers.training_args as hf_training_args
+import transformers.training_args_seq2seq as hf_seq2seq_args
+
+from .trainer import DivisionCallback, Seq2SeqTrainingArguments, TrainingArguments
+
 _INSTALLED = False
 
 
@@ -24,17 +31,11 @@ def install() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
-    import transformers
-    import transformers.trainer as hf_trainer
-    import transformers.training_args as hf_training_args
-    import transformers.training_args_seq2seq as hf_seq2seq_args
-
-    from . import trainer
-
-    for module, name in ((transformers, "TrainingArguments"), (hf_training_args, "TrainingArguments"),
-                         (transformers, "Seq2SeqTrainingArguments"), (hf_seq2seq_args, "Seq2SeqTrainingArguments")):
-        setattr(module, name, getattr(trainer, name))
-    hf_trainer.DEFAULT_CALLBACKS.append(trainer.DivisionCallback)
+    for module in (transformers, hf_training_args):
+        module.TrainingArguments = TrainingArguments
+    for module in (transformers, hf_seq2seq_args):
+        module.Seq2SeqTrainingArguments = Seq2SeqTrainingArguments
+    hf_trainer.DEFAULT_CALLBACKS.append(DivisionCallback)
     _INSTALLED = True
 
 
@@ -43,6 +44,7 @@ def run_script(script: str, args: list[str]) -> None:
         raise SystemExit(f"hf-division run: no such script: {script}")
     install()
     sys.argv = [script, *args]
+    # what ``python SCRIPT`` does: the script's own folder first, so its sibling modules import
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
 

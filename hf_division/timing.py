@@ -10,6 +10,8 @@ import statistics
 import time
 from typing import Callable
 
+import torch
+
 
 def timed(step: Callable[[], object], device: str = "cpu") -> float:
     """Seconds ``step()`` takes, CUDA work included."""
@@ -23,8 +25,6 @@ def timed(step: Callable[[], object], device: str = "cpu") -> float:
 
 def _sync(device: str) -> Callable[[], None]:
     if device == "cuda":
-        import torch
-
         return torch.cuda.synchronize
     return lambda: None
 
