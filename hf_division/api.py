@@ -15,7 +15,8 @@ from transformers import PretrainedConfig
 import model_patches  # noqa: F401 - importing it registers every family
 from .attention import CONFIG_ATTR, restore
 from .config import DivisionConfig
-from .patching import PatchState, patch_checkpointing, patch_root, restore_forward, unwrap
+from .patching import (PatchState, patch_causal_lm_loss, patch_checkpointing, patch_root, restore_forward,
+                       restore_loss_functions, unwrap)
 from .registry import fallback, family, supported_model_types
 
 __all__ = ["apply_division", "remove_division", "restored_division", "division_config_of", "patched_modules",
@@ -80,6 +81,7 @@ def _patcher(base: nn.Module, model_type: str | None, config: DivisionConfig):
 
 
 def _patch_all(base: nn.Module, state: PatchState, patcher) -> None:
+    patch_causal_lm_loss(state, base)  # first: its LM head is not an ordinary Linear
     patcher(base, state)
     patch_checkpointing(state, base)
 
@@ -110,6 +112,7 @@ def _undo(base: nn.Module, state: PatchState) -> None:
     for module, previous in reversed(state.modules):
         restore_forward(module, previous)
     restore(state.attn)
+    restore_loss_functions(state)
     for module in base.modules():
         module.__dict__.pop(CONFIG_ATTR, None)
 

@@ -13,10 +13,12 @@ import types
 from dataclasses import dataclass, field
 
 from torch import nn
+from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention import CONFIG_ATTR, switch
 from .config import DivisionConfig
+from .lm_loss import causal_lm_loss, tag_logits
 from .ops import BitDropout, CheckpointFn, GatedFn, LinearFn, RecomputeFn
 from .store import active
 
@@ -30,6 +32,7 @@ class PatchState:
     n_modules: int = 0  # size of the module tree when last patched
     attn: list = field(default_factory=list)  # (config object, previous attn implementation)
     names: dict = field(default_factory=dict)  # id(module) -> name in the model (for module_bits)
+    losses: list = field(default_factory=list)  # models whose ``loss_function`` was set
 
 
 def config_for(state: PatchState, module: nn.Module) -> DivisionConfig:
@@ -176,6 +179,47 @@ def patch_checkpointing(state: PatchState, model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, GradientCheckpointingLayer):
             wrap_forward(state, module, functools.partial(make, config=config_for(state, module)))
+
+
+def patch_causal_lm_loss(state: PatchState, model: nn.Module) -> None:
+    """A causal LM whose loss is Transformers' ``ForCausalLMLoss`` and whose output embedding is
+    an ``nn.Linear``: in training, the head tags the logits it returns with its input, and the
+    model's ``loss_function`` computes the loss from that input through
+    :class:`~hf_division.lm_loss.CausalLMLossFn`, so no vocabulary-sized tensor is held for
+    backward. The logits returned are the head's own (bit-identical); logits changed after the
+    head (soft-capping, scaling) or a custom loss function fall back to the model's loss."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if state.losses or not isinstance(head, nn.Linear) or "_loss_function" in model.__dict__:
+        return
+    if getattr(model, "loss_function", None) is not ForCausalLMLoss:
+        return
+
+    def make(orig):
+        def forward(self, x):
+            out = orig(x)
+            if in_training(self) and (x.requires_grad or self.weight.requires_grad):
+                tag_logits(out, x, self)
+            return out
+
+        return forward
+
+    def loss_function(logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
+                      shift_labels=None, **kwargs):
+        fused = causal_lm_loss(logits, labels, ignore_index, shift_labels, num_items_in_batch)
+        if fused is not None:
+            return fused
+        return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch, ignore_index, shift_labels, **kwargs)
+
+    wrap_forward(state, head, make)
+    state.losses.append(model)
+    model.loss_function = loss_function  # Transformers' setter: an instance ``_loss_function``
+
+
+def restore_loss_functions(state: PatchState) -> None:
+    """Undo :func:`patch_causal_lm_loss`."""
+    for model in state.losses:
+        model.__dict__.pop("_loss_function", None)
+    state.losses.clear()
 
 
 def patch_modules(
