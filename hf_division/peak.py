@@ -18,9 +18,11 @@ import os
 import resource
 import subprocess
 import sys
+import time
 from typing import Callable
 
 import torch
+import transformers
 
 #: glibc: allocations over 64 KiB mmap-served and returned to the system when freed
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
@@ -123,3 +125,39 @@ def run_clean(argv: list[str], what: str):
     if res.returncode:
         raise RuntimeError(f"{what} failed:\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+class StepLog(transformers.TrainerCallback):
+    """Writes one JSON line per optimizer step of a ``Trainer``: wall seconds, the process's peak
+    memory during the step (absolute: CPU resident high-water reset at the step's start; CUDA
+    ``max_memory_allocated``), and the logged loss. How ``hf-division run`` measures an unmodified
+    script (``HF_DIVISION_STEP_LOG=PATH``); the garbage collection and trim before each step are
+    outside the timed window."""
+
+    def __init__(self, path: str):
+        self.path, self.start, self.loss = path, 0.0, {}
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            malloc_trim()
+            reset_high_water()
+        self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - self.start
+        peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else high_water()
+        self.write({"step": state.global_step, "seconds": seconds, "peak_bytes": peak})
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.write({"step": state.global_step, "loss": logs["loss"]})
+
+    def write(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")

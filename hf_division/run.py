@@ -21,7 +21,11 @@ import transformers.trainer as hf_trainer
 import transformers.training_args as hf_training_args
 import transformers.training_args_seq2seq as hf_seq2seq_args
 
+from .peak import StepLog
 from .trainer import DivisionCallback, Seq2SeqTrainingArguments, TrainingArguments
+
+#: environment variable: a path to which every Trainer the script builds logs each step (:class:`StepLog`)
+STEP_LOG_ENV = "HF_DIVISION_STEP_LOG"
 
 _INSTALLED = False
 
@@ -36,6 +40,8 @@ def install() -> None:
     for module in (transformers, hf_seq2seq_args):
         module.Seq2SeqTrainingArguments = Seq2SeqTrainingArguments
     hf_trainer.DEFAULT_CALLBACKS.append(DivisionCallback)
+    if os.environ.get(STEP_LOG_ENV):
+        hf_trainer.DEFAULT_CALLBACKS.append(StepLog(os.environ[STEP_LOG_ENV]))
     _INSTALLED = True
 
 

@@ -55,3 +55,19 @@ def random_tokens(vocab_size: int, batch: int, seq: int, seed: int, num_labels: 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, vocab_size, (batch, seq), generator=g)
     return {"input_ids": ids, "labels": torch.randint(0, num_labels, (batch,), generator=g)}
+
+
+def sft_texts(tsv: str, rows: int, seed: int = 0, sentences=(2, 7)) -> list[str]:
+    """``rows`` training texts for a supervised fine-tuning run: runs of ``sentences`` (a range,
+    drawn per row with a seeded generator) consecutive sentences of a GLUE TSV, so that lengths
+    vary from row to row and a collator that pads to the longest row sees a new shape each batch."""
+    found = [r[0].strip() for r in read_tsv(tsv)[1:] if r]
+    g = torch.Generator().manual_seed(seed)
+    out, start = [], 0
+    for _ in range(rows):
+        k = int(torch.randint(sentences[0], sentences[1] + 1, (), generator=g))
+        if start + k > len(found):
+            start = 0
+        out.append(" ".join(found[start : start + k]))
+        start += k
+    return out

@@ -11,15 +11,25 @@ checkpoints are plain Transformers ones. :class:`DivisionCallback` does the same
 from __future__ import annotations
 
 import dataclasses
+import sys
 import typing
 
 import transformers
+from transformers.utils import logging
 
-from .api import apply_division
+from .api import apply_division, unwrap
 from .config import DivisionConfig
 from .noise import reseed, step_seed
 
 PREFIX = "division_"
+logger = logging.get_logger(__name__)
+
+#: values of ``division_checkpointing`` (docs/GUIDE.md, "Division and gradient checkpointing")
+CHECKPOINTING = ("replace", "combine")
+#: tokens per tile of TRL's fused LM head under division (``trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE``,
+#: 4096 in TRL 1.16): bounds its float32 logits tile, which would otherwise grow with the batch up to
+#: 4096 tokens and set the step's peak once the activations are compressed
+TRL_TILE_TOKENS = 256
 
 
 def _division_fields():
@@ -30,6 +40,10 @@ def _division_fields():
     for f in dataclasses.fields(DivisionConfig):
         help_text = f"hf-division: {f.metadata['help']}"
         out.append((PREFIX + f.name, types[f.name], dataclasses.field(default=f.default, metadata={"help": help_text})))
+    out.append((PREFIX + "checkpointing", str, dataclasses.field(default="replace", metadata={"help": (
+        "hf-division: what --division does when gradient checkpointing is on (TRL's default): 'replace' turns "
+        "checkpointing off, every layer's activations are kept compressed (faster steps); 'combine' keeps it, "
+        "layer inputs kept compressed and each layer recomputed in backward (least memory, slower).")})))
     return out
 
 
@@ -43,6 +57,8 @@ def with_division(args_cls: type) -> type:
 
     def __post_init__(self):
         args_cls.__post_init__(self)
+        if self.division_checkpointing not in CHECKPOINTING:
+            raise ValueError(f"{PREFIX}checkpointing must be one of {CHECKPOINTING}, got {self.division_checkpointing!r}")
         try:
             self.division_config()
         except ValueError as err:  # name the argument the user wrote, not the config field
@@ -62,9 +78,34 @@ TrainingArguments = with_division(transformers.TrainingArguments)
 Seq2SeqTrainingArguments = with_division(transformers.Seq2SeqTrainingArguments)
 
 
-def _apply(model, args) -> None:
+def apply_from_args(model, args) -> None:
+    """Apply division to ``model`` as the Trainer arguments ``args`` say (nothing unless ``args.division``)."""
     if getattr(args, "division", False) and model is not None:
         apply_division(model, args.division_config())
+
+
+def settle_checkpointing(model, mode: str) -> str:
+    """Apply ``division_checkpointing`` to ``model`` once the Trainer has enabled checkpointing;
+    returns what was done, for the log line at training start."""
+    base = unwrap(model)
+    if not getattr(base, "is_activation_checkpointing", False):
+        return "gradient checkpointing off"
+    if mode == "combine":
+        return "gradient checkpointing kept: layer inputs compressed, each layer recomputed in backward"
+    base.activation_checkpointing_disable()
+    return "gradient checkpointing turned off, division replaces it (--division_checkpointing combine keeps both)"
+
+
+def bound_trl_tiles(tokens: int | None) -> int | None:
+    """Set the token tile of TRL's fused LM head (if TRL is loaded) to ``tokens`` (None: leave it);
+    returns the previous value, or None if TRL's kernel is not loaded."""
+    kernel = sys.modules.get("trl.kernels.chunked_logprob")
+    if kernel is None or not hasattr(kernel, "TOKEN_CHUNK_SIZE"):
+        return None
+    previous = kernel.TOKEN_CHUNK_SIZE
+    if tokens is not None:
+        kernel.TOKEN_CHUNK_SIZE = tokens
+    return previous
 
 
 class DivisionCallback(transformers.TrainerCallback):
@@ -72,8 +113,24 @@ class DivisionCallback(transformers.TrainerCallback):
     restarts the rounding noise at every optimizer step from ``(seed, step, process)``, so that a
     run resumed from a checkpoint continues with the noise of the uninterrupted run."""
 
+    def __init__(self):
+        self.trl_tiles = None
+
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        _apply(model, args)
+        if not (getattr(args, "division", False) and model is not None):
+            return
+        apply_from_args(model, args)
+        done = settle_checkpointing(model, getattr(args, PREFIX + "checkpointing", "replace"))
+        previous = bound_trl_tiles(None)
+        if previous is not None and previous > TRL_TILE_TOKENS:
+            self.trl_tiles = bound_trl_tiles(TRL_TILE_TOKENS)
+            done += f"; TRL's fused LM head in tiles of {TRL_TILE_TOKENS} tokens"
+        logger.warning(f"hf-division: division on ({args.division_config().method}); {done}")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.trl_tiles is not None:
+            bound_trl_tiles(self.trl_tiles)
+            self.trl_tiles = None
 
     def on_step_begin(self, args, state, control, **kwargs):
         if getattr(args, "division", False):
@@ -90,7 +147,7 @@ class Trainer(transformers.Trainer):
     """``transformers.Trainer`` that applies division when training starts if ``args.division``."""
 
     def train(self, *args, **kwargs):
-        _apply(self.model, self.args)
+        apply_from_args(self.model, self.args)
         add_division_callback(self)
         return super().train(*args, **kwargs)
 
@@ -99,6 +156,6 @@ class Seq2SeqTrainer(transformers.Seq2SeqTrainer):
     """``transformers.Seq2SeqTrainer`` that applies division when training starts if ``args.division``."""
 
     def train(self, *args, **kwargs):
-        _apply(self.model, self.args)
+        apply_from_args(self.model, self.args)
         add_division_callback(self)
         return super().train(*args, **kwargs)

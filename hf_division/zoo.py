@@ -131,3 +131,20 @@ def family_model(name: str):
         ids[:, -1] = cfg.eos_token_id  # T5 classifies its eos token
     return model, {"input_ids": ids, "labels": labels}
 
+
+
+def save_smollm2(folder: str) -> str:
+    """Write SmolLM2-135M-Instruct as a plain float32 model folder (for scripts that load a path,
+    e.g. TRL's ``sft.py``); a GGUF-loaded model cannot ``save_pretrained`` itself, so its weights
+    go into a model built from its config. Returns ``folder``; reused if it already holds one."""
+    if os.path.exists(os.path.join(folder, "config.json")):
+        return folder
+    tok, gguf_model = load_smollm2("sdpa")
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder

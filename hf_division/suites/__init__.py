@@ -20,6 +20,7 @@ SUITES = {
     "compressor": ".compressor",
     "step-time": ".step_time",
     "memory": ".memory",
+    "trl-sft": ".sft",
 }
 
 
