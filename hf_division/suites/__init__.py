@@ -21,6 +21,7 @@ SUITES = {
     "step-time": ".step_time",
     "memory": ".memory",
     "trl-sft": ".sft",
+    "long-context": ".long_context",
 }
 
 
