@@ -22,6 +22,10 @@ KINDS = ("linear", "attention", "activation", "norm")
 #: otherwise: HFC bits per kind measured on MiniLM (docs/RESULTS.md, "Precision policy on MiniLM"), outlier tokens kept exact.
 DEFAULTS = {"linear_bits": 4, "attention_bits": 4, "activation_bits": 4, "norm_bits": 4, "outlier_ratio": 16.0}
 DEFAULT_BITS = {kind: DEFAULTS[f"{kind}_bits"] for kind in KINDS}
+#: Kinds whose HFC group and LFC block can differ from ``group_size`` / ``block_size``
+#: (``<kind>_group_size``, ``<kind>_block_size``; docs/DESIGN.md, "Policy").
+PER_KIND_LAYOUT = ("attention", "activation")
+DEFAULTS.update({f"{kind}_{what}": None for kind in PER_KIND_LAYOUT for what in ("group_size", "block_size")})
 
 _LFC_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _METHODS = ("division", "actnn")
@@ -69,6 +73,14 @@ class DivisionConfig:
     attention_bits: int | None = _field(None, "HFC bits for the q/k/v kept by attention (0: keep; unset: family default).")
     activation_bits: int | None = _field(None, "HFC bits for inputs of activation functions (0: keep; unset: family default).")
     norm_bits: int | None = _field(None, "HFC bits for inputs of LayerNorm/RMSNorm (0: keep; unset: family default).")
+    attention_group_size: int | None = _field(
+        None, "Tokens per min/scale group for the attention kind (a multiple of 8); unset: family default, else group_size.")
+    activation_group_size: int | None = _field(
+        None, "Tokens per min/scale group for the activation kind (a multiple of 8); unset: family default, else group_size.")
+    attention_block_size: int | None = _field(
+        None, "LFC block for the attention kind (1: no LFC); unset: family default, else block_size.")
+    activation_block_size: int | None = _field(
+        None, "LFC block for the activation kind (1: no LFC); unset: family default, else block_size.")
     min_numel: int = _field(4096, "Saved tensors with fewer elements are kept as they are.")
     norm_row_scale: bool = _field(True, "Norm inputs: divide each token by its RMS (kept exact) before compressing.")
     outlier_ratio: float | None = _field(
@@ -88,8 +100,14 @@ class DivisionConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "min_numel" else 1):
                 raise ValueError(f"DivisionConfig.{name} must be a positive integer, got {value!r}")
-        if self.group_size % 8:
-            raise ValueError(f"DivisionConfig.group_size must be a multiple of 8, got {self.group_size}")
+        for name in ("group_size", *(f"{kind}_group_size" for kind in PER_KIND_LAYOUT)):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 8 or value % 8):
+                raise ValueError(f"DivisionConfig.{name} must be a positive multiple of 8, got {value!r}")
+        for name in (f"{kind}_block_size" for kind in PER_KIND_LAYOUT):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"DivisionConfig.{name} must be a positive integer (1: no LFC), got {value!r}")
         ratio = self.outlier_ratio
         if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not (ratio == 0 or ratio > 1)):
             raise ValueError(f"DivisionConfig.outlier_ratio must be 0 (off) or a number > 1, got {self.outlier_ratio!r}")
@@ -152,13 +170,23 @@ class DivisionConfig:
         """Keyword arguments of :func:`hf_division.compressor.compress` for a tensor of ``kind``."""
         return dict(
             bits=self.bits(kind),
-            block_size=self.effective_block_size,
-            group_size=self.group_size,
+            block_size=self.kind_block_size(kind),
+            group_size=self.kind_group_size(kind),
             lfc_dtype=self.torch_lfc_dtype,
             stochastic=self.rounding == "stochastic",
             outlier_ratio=self.effective_outlier_ratio,
             grouping="flat" if self.method == "actnn" else "tokens",
         )
+
+    def kind_group_size(self, kind: str) -> int:
+        """Tokens per HFC group for ``kind``: its ``<kind>_group_size`` if set, else ``group_size``."""
+        value = getattr(self, f"{kind}_group_size", None) if kind in PER_KIND_LAYOUT else None
+        return self.group_size if value is None else value
+
+    def kind_block_size(self, kind: str) -> int:
+        """LFC block for ``kind`` (1: no LFC): its ``<kind>_block_size`` if set, else the global one."""
+        value = getattr(self, f"{kind}_block_size", None) if kind in PER_KIND_LAYOUT else None
+        return self.effective_block_size if value is None or self.method == "actnn" else value
 
     @property
     def effective_block_size(self) -> int:
