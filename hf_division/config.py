@@ -44,8 +44,10 @@ class DivisionConfig:
     Every ``*_bits`` field is the HFC bit width for one kind of saved tensor: 1, 2, 4 or 8, 0 to
     keep that kind uncompressed, or None (default) for the measured default of the model's family
     (registered beside its patcher in ``model_patches``, else ``DEFAULTS``: 4; decoder LLMs keep
-    attention and activation inputs at 8). :func:`hf_division.apply_division` fills the Nones in
-    for the model it patches (:meth:`resolved`); ``outlier_ratio`` likewise.
+    attention inputs at 8 bits, and activation inputs at 8, or for gated-MLP decoders at 4 in
+    groups of 32 tokens without an LFC). :func:`hf_division.apply_division` fills the Nones in
+    for the model it patches (:meth:`resolved`); ``outlier_ratio`` and the per-kind group and
+    block sizes likewise.
 
     * ``linear_bits``: inputs of ``nn.Linear`` layers (weight gradient only).
     * ``attention_bits``: query/key/value kept by the attention core; the ``T x T`` probability

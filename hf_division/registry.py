@@ -2,7 +2,7 @@
 
 Each module of ``model_patches`` registers its family here when imported::
 
-    register("llama", defaults=DECODER_DEFAULTS)(gated_decoder_patcher(LlamaRMSNorm, LlamaMLP))
+    register("llama", defaults=GATED_DECODER_DEFAULTS)(gated_decoder_patcher(LlamaRMSNorm, LlamaMLP))
 
 and :mod:`hf_division.api` looks the family up when patching. A family's ``defaults`` are the
 :class:`~hf_division.config.DivisionConfig` fields whose measured default differs for it

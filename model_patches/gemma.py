@@ -3,6 +3,6 @@ from transformers.models.gemma.modeling_gemma import GemmaMLP, GemmaRMSNorm
 
 from hf_division.registry import register
 
-from .common import DECODER_DEFAULTS, gated_decoder_patcher
+from .common import GATED_DECODER_DEFAULTS, gated_decoder_patcher
 
-apply_division_to_gemma = register("gemma", defaults=DECODER_DEFAULTS)(gated_decoder_patcher(GemmaRMSNorm, GemmaMLP))
+apply_division_to_gemma = register("gemma", defaults=GATED_DECODER_DEFAULTS)(gated_decoder_patcher(GemmaRMSNorm, GemmaMLP))

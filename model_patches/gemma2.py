@@ -3,6 +3,6 @@ from transformers.models.gemma2.modeling_gemma2 import Gemma2MLP, Gemma2RMSNorm
 
 from hf_division.registry import register
 
-from .common import DECODER_DEFAULTS, gated_decoder_patcher
+from .common import GATED_DECODER_DEFAULTS, gated_decoder_patcher
 
-apply_division_to_gemma2 = register("gemma2", defaults=DECODER_DEFAULTS)(gated_decoder_patcher(Gemma2RMSNorm, Gemma2MLP))
+apply_division_to_gemma2 = register("gemma2", defaults=GATED_DECODER_DEFAULTS)(gated_decoder_patcher(Gemma2RMSNorm, Gemma2MLP))

@@ -3,6 +3,6 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
 from hf_division.registry import register
 
-from .common import DECODER_DEFAULTS, gated_decoder_patcher
+from .common import GATED_DECODER_DEFAULTS, gated_decoder_patcher
 
-apply_division_to_llama = register("llama", defaults=DECODER_DEFAULTS)(gated_decoder_patcher(LlamaRMSNorm, LlamaMLP))
+apply_division_to_llama = register("llama", defaults=GATED_DECODER_DEFAULTS)(gated_decoder_patcher(LlamaRMSNorm, LlamaMLP))

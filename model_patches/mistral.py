@@ -3,6 +3,6 @@ from transformers.models.mistral.modeling_mistral import MistralMLP, MistralRMSN
 
 from hf_division.registry import register
 
-from .common import DECODER_DEFAULTS, gated_decoder_patcher
+from .common import GATED_DECODER_DEFAULTS, gated_decoder_patcher
 
-apply_division_to_mistral = register("mistral", defaults=DECODER_DEFAULTS)(gated_decoder_patcher(MistralRMSNorm, MistralMLP))
+apply_division_to_mistral = register("mistral", defaults=GATED_DECODER_DEFAULTS)(gated_decoder_patcher(MistralRMSNorm, MistralMLP))

@@ -3,6 +3,6 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP, Qwen2RMSNorm
 
 from hf_division.registry import register
 
-from .common import DECODER_DEFAULTS, gated_decoder_patcher
+from .common import GATED_DECODER_DEFAULTS, gated_decoder_patcher
 
-apply_division_to_qwen2 = register("qwen2", defaults=DECODER_DEFAULTS)(gated_decoder_patcher(Qwen2RMSNorm, Qwen2MLP))
+apply_division_to_qwen2 = register("qwen2", defaults=GATED_DECODER_DEFAULTS)(gated_decoder_patcher(Qwen2RMSNorm, Qwen2MLP))

@@ -3,6 +3,6 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm
 
 from hf_division.registry import register
 
-from .common import DECODER_DEFAULTS, gated_decoder_patcher
+from .common import GATED_DECODER_DEFAULTS, gated_decoder_patcher
 
-apply_division_to_qwen3 = register("qwen3", defaults=DECODER_DEFAULTS)(gated_decoder_patcher(Qwen3RMSNorm, Qwen3MLP))
+apply_division_to_qwen3 = register("qwen3", defaults=GATED_DECODER_DEFAULTS)(gated_decoder_patcher(Qwen3RMSNorm, Qwen3MLP))

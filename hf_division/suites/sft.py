@@ -78,8 +78,9 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tsv", required=True, help="GLUE TSV whose sentences make the training texts")
     ap.add_argument("--model", help="model folder (default: SmolLM2 written to a temporary folder)")
-    ap.add_argument("--steps", type=int, default=50, help="steps at the largest batch")
-    ap.add_argument("--small-steps", type=int, default=10, help="steps at the other batches")
+    ap.add_argument("--steps", type=int, default=50, help="steps of the timed arms at the largest batch")
+    ap.add_argument("--small-steps", type=int, default=12, help="steps of every other run")
+    ap.add_argument("--timed", nargs="+", default=list(ARMS)[:2], help="arms run for --steps at the largest batch")
     ap.add_argument("--warmup", type=int, default=5, help="first steps left out of peak and time")
     ap.add_argument("--batches", type=int, nargs="+", default=[2, 8])
     ap.add_argument("--arms", nargs="+", default=list(ARMS), help="names from ARMS")
@@ -99,7 +100,8 @@ def main(argv=None):
         results = {}
         for arm in args.arms:
             for batch in sorted(args.batches):
-                steps = args.steps if batch == max(args.batches) else args.small_steps
+                timed = batch == max(args.batches) and arm in args.timed
+                steps = args.steps if timed else args.small_steps
                 records = run_arm(model, data, work, batch, steps, ARMS[arm], args.threads)
                 results[f"{arm} | batch {batch}"] = summarize(records, args.warmup)
                 print(f"{arm:<48} batch {batch}: {json.dumps({k: v for k, v in results[f'{arm} | batch {batch}'].items() if k != 'losses'})}", flush=True)
@@ -111,12 +113,15 @@ def report(results: dict, arms: list[str], batches: list[int]) -> str:
     lo, hi = batches[0], batches[-1]
     base = results.get(f"{arms[0]} | batch {hi}")
     rows = [f"| arm | peak MiB, batch {lo} | peak MiB, batch {hi} | growth MiB | step s (batch {hi}) "
-            f"| final loss (mean of last 10) |", "|---|---:|---:|---:|---:|---:|"]
+            f"| final loss (mean of last 10) | max step loss diff to {arms[0]} |", "|---|---:|---:|---:|---:|---:|---:|"]
     for arm in arms:
         small, big = results[f"{arm} | batch {lo}"], results[f"{arm} | batch {hi}"]
-        final = statistics.fmean(big["losses"][-10:])
+        final = statistics.fmean(big["losses"][-10:])  # compare arms with equal step counts only
+        n = min(len(big["losses"]), len(base["losses"])) if base else 0
+        diff = max((abs(a - b) for a, b in zip(big["losses"][:n], base["losses"][:n])), default=float("nan"))
         rows.append(f"| {arm} | {small['peak_mib']:.0f} | {big['peak_mib']:.0f} | {big['peak_mib'] - small['peak_mib']:.0f} "
-                    f"| {big['step_s']:.2f} | {final:.4f} |")
+                    f"| {big['step_s']:.2f} | {final:.4f} | {diff:.4f} (first {n} steps) |")
     if base is not None:
-        rows.append(f"\nsteps: {base['steps']} at batch {hi}; step time: median over the warm steps")
+        rows.append(f"\nsteps at batch {hi}: " + ", ".join(f"{a}: {results[f'{a} | batch {hi}']['steps']}" for a in arms)
+                    + "; step time: median over the warm steps")
     return "\n".join(rows)
