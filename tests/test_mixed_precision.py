@@ -180,7 +180,7 @@ def test_trainer_division_checkpointing_bf16_together(tmp_path, monkeypatch):
     rows = batch_for(model, batch=8, seq=64, seed=5)
     data = Dataset.from_dict({k: v.tolist() for k, v in rows.items() if k != "attention_mask"})
     args = TrainingArguments(output_dir=str(tmp_path), division=True, gradient_checkpointing=True, bf16=True,
-                             use_cpu=True, max_steps=2, per_device_train_batch_size=4, learning_rate=1e-4,
+                             division_checkpointing="combine", use_cpu=True, max_steps=2, per_device_train_batch_size=4, learning_rate=1e-4,
                              report_to=[], save_strategy="no", disable_tqdm=True, logging_steps=1)
     packed = []
     pack = hd.store.pack
