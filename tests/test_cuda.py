@@ -1,0 +1,118 @@
+"""The same guarantees on a CUDA device: skipped where none is present (CI runs on CPU).
+
+Run on a GPU machine with ``pytest tests/test_cuda.py``; docs/RESULTS.md ("On a GPU") records
+when and where they last ran.
+"""
+import json
+import os
+
+import pytest
+import torch
+
+import hf_division as hd
+from hf_division.compressor import compress, decompress
+from hf_division.quant import unpack_bits
+from hf_division.fidelity import cosine, flat_grad
+from hf_division.fused import set_fused
+from hf_division.measure import held_bytes
+from hf_division.suites import cuda as cuda_suite
+
+#: HF_DIVISION_TEST_DEVICE=cpu runs these on the CPU (to check the tests themselves)
+DEV = os.environ.get("HF_DIVISION_TEST_DEVICE", "cuda")
+pytestmark = pytest.mark.skipif(DEV == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def llama(tied=True):
+    model = cuda_suite.build("tiny", DEV)
+    model.config.tie_word_embeddings = tied
+    return model
+
+
+def batch(rows=2, seq=96, vocab=512, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (rows, seq), generator=g).to(DEV)
+    labels = ids.clone()
+    labels[0, :9] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("grouping", ["tokens", "flat"])
+def test_compressed_round_trip_on_device_within_one_step(bits, grouping):
+    x = torch.randn(2, 300, 96, device=DEV) * torch.linspace(0.1, 5, 96, device=DEV)
+    p = compress(x, bits=bits, block_size=4, stochastic=True, grouping=grouping,
+                 generator=torch.Generator(device=DEV).manual_seed(0))
+    y = decompress(p)
+    assert y.device == x.device and y.shape == x.shape
+    assert (y - x).abs().max() <= p.scale.float().max() * 1.0001 + 1e-5
+
+
+@pytest.mark.parametrize("grouping", ["tokens", "flat"])
+def test_compiled_kernels_match_eager_on_device(grouping):
+    tokens = (4096 + 3) * 4 if grouping == "flat" else 17 * 256 + 48
+    x = torch.randn(1, tokens, 64, device=DEV)
+    out = {}
+    for fused in (True, False):
+        set_fused(fused)
+        try:
+            out[fused] = compress(x, bits=4, block_size=16, stochastic=True, grouping=grouping,
+                                  generator=torch.Generator(device=DEV).manual_seed(0))
+        finally:
+            set_fused(True)
+    codes_f, codes_e = unpack_bits(out[True].packed, 4), unpack_bits(out[False].packed, 4)
+    assert (codes_f != codes_e).float().mean() < 1e-4  # at most last-bit ties differ
+    torch.testing.assert_close(decompress(out[True]), decompress(out[False]), atol=out[True].scale.float().max().item(),
+                               rtol=0)
+
+
+@pytest.mark.parametrize("amp", [None, torch.bfloat16])
+def test_training_gradient_close_and_fewer_bytes(amp):
+    model = llama().train()
+    inputs = batch()
+    exact = flat_grad(model, inputs, 0, autocast=amp)
+    before, _ = held_bytes(model, inputs)
+    hd.apply_division(model)
+    after, _ = held_bytes(model, inputs)
+    approx = flat_grad(model, inputs, 0, autocast=amp, reseed_noise=True)
+    assert cosine(exact, approx) >= 0.98
+    assert after * 3 < before
+
+
+def test_eval_bit_identical_and_removal_restores():
+    model = llama()
+    inputs = batch()
+    model.eval()
+    with torch.no_grad():
+        ref = model(**inputs)
+    hd.apply_division(model)
+    with torch.no_grad():
+        out = model(**inputs)
+    assert torch.equal(out.logits, ref.logits) and torch.equal(out.loss, ref.loss)
+    hd.remove_division(model)
+    model.train()
+    a = model(**inputs).logits
+    hd.apply_division(model)
+    b = model(**inputs).logits  # the training forward is bit-identical too; only backward differs
+    assert torch.equal(a, b)
+
+
+def test_causal_lm_loss_and_gradient_match_transformers_in_bf16():
+    model = llama(tied=False).train()
+    inputs = {**batch(), "num_items_in_batch": torch.tensor(150, device=DEV)}
+    exact = flat_grad(model, inputs, 0, autocast=torch.bfloat16)
+    with torch.autocast(DEV, dtype=torch.bfloat16):
+        ref = model(**inputs).loss
+    hd.apply_division(model, hd.DivisionConfig(linear_bits=0, attention_bits=0, activation_bits=0, norm_bits=0))
+    with torch.autocast(DEV, dtype=torch.bfloat16):
+        out = model(**inputs).loss
+    torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
+    assert cosine(exact, flat_grad(model, inputs, 0, autocast=torch.bfloat16)) >= 0.999
+
+
+def test_suite_runs_on_device(tmp_path):
+    out = tmp_path / "r.json"
+    cuda_suite.main(["--device", DEV, "--shapes", "tiny", "--sizes", "2x64", "--rounds", "1", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    arms = rows[0]["arms"]
+    assert arms["division"]["held_mib"] < arms["none"]["held_mib"]
+    assert arms["division"]["cosine"] > 0.95
