@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 import model_patches  # noqa: F401 - importing it registers every family
 from .attention import CONFIG_ATTR, restore
 from .config import DivisionConfig
-from .patching import (PatchState, patch_causal_lm_loss, patch_checkpointing, patch_root, restore_forward,
+from .patching import (PatchState, layer_names, patch_causal_lm_loss, patch_checkpointing, patch_root, restore_forward,
                        restore_loss_functions, unwrap)
 from .registry import fallback, family, supported_model_types
 
@@ -39,7 +39,7 @@ def apply_division(model: nn.Module, config: DivisionConfig | None = None) -> nn
     base = unwrap(model)
     model_type = getattr(getattr(base, "config", None), "model_type", None)
     patcher = _patcher(base, model_type, config)
-    config = config.resolved(model_type)
+    config = config.resolved(model_type).with_early_layers(layer_names(base))
     current = base.__dict__.get(STATE_ATTR)
     if current is not None:
         if current.config == config:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 
@@ -26,6 +27,9 @@ DEFAULT_BITS = {kind: DEFAULTS[f"{kind}_bits"] for kind in KINDS}
 #: (``<kind>_group_size``, ``<kind>_block_size``; docs/DESIGN.md, "Policy").
 PER_KIND_LAYOUT = ("attention", "activation")
 DEFAULTS.update({f"{kind}_{what}": None for kind in PER_KIND_LAYOUT for what in ("group_size", "block_size")})
+DEFAULTS["early_layers"] = 0.0
+#: bits of the activation inputs in the model's first ``early_layers`` (docs/DESIGN.md, "Policy")
+EARLY_ACTIVATION_BITS = 8
 
 _LFC_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _METHODS = ("division", "actnn")
@@ -90,6 +94,9 @@ class DivisionConfig:
     dropout_bits: bool = _field(True, "Store dropout masks as 1 bit per element.")
     generic_fallback: bool = _field(False, "Patch model types without a registered patcher generically (with a warning).")
     module_bits: str = _field("", "Per-module overrides of the *_bits fields: a JSON object or a path to a JSON file.")
+    early_layers: float | None = _field(
+        None, "Fraction (0 to 1) of the model's layers, counted from the input, whose activation inputs keep 8 bits "
+              "(gated decoders: 0.4; unset: family default; 0: none). Layers that module_bits names keep what it says.")
 
     def __post_init__(self):
         if self.method not in _METHODS:
@@ -117,6 +124,9 @@ class DivisionConfig:
             bits = getattr(self, f"{kind}_bits")
             if bits is not None and (bits not in (0, 1, 2, 4, 8) or isinstance(bits, bool)):
                 raise ValueError(f"DivisionConfig.{kind}_bits must be 0, 1, 2, 4, 8 or None, got {bits!r}")
+        early = self.early_layers
+        if early is not None and (isinstance(early, bool) or not isinstance(early, (int, float)) or not 0 <= early <= 1):
+            raise ValueError(f"DivisionConfig.early_layers must be a fraction from 0 to 1, got {early!r}")
         self._overrides = _parse_module_bits(self.module_bits)
         self._resolved: dict = {}  # this module's overrides, set by for_module
 
@@ -144,6 +154,22 @@ class DivisionConfig:
         family = family_defaults(model_type)
         unset = {k: family.get(k, v) for k, v in DEFAULTS.items() if getattr(self, k) is None}
         return dataclasses.replace(self, **unset) if unset else self
+
+    def with_early_layers(self, layer_names: list[str]) -> "DivisionConfig":
+        """This config with ``early_layers`` spelled out as ``module_bits`` entries: activation
+        inputs at :data:`EARLY_ACTIVATION_BITS` in the first ``ceil(early_layers x n)`` of the
+        model's ``n`` layers (``layer_names``, in order), except layers ``module_bits`` already
+        names, or names a module of. Only ever raises the bits: with activation inputs kept exact
+        (0) or at 8 bits, nothing changes. Applying it again gives the same config."""
+        if not 0 < self.bits("activation") < EARLY_ACTIVATION_BITS:
+            return self  # kept exact, or already as precise: nothing to raise
+        count = math.ceil((self.early_layers or 0) * len(layer_names) - 1e-9)
+        mine = self._overrides
+        added = {name: {"activation": EARLY_ACTIVATION_BITS} for name in layer_names[:count]
+                 if not any(k == name or name.startswith(k + ".") or k.startswith(name + ".") for k in mine)}
+        if not added:
+            return self
+        return dataclasses.replace(self, module_bits=json.dumps({**added, **mine}))
 
     def _override(self, kind: str, name: str) -> int | None:
         best = None

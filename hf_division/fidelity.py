@@ -12,21 +12,24 @@ from .noise import reseed
 
 
 def flat_grad(model: torch.nn.Module, inputs: dict, seed: int, autocast: torch.dtype | None = None, *,
-              reseed_noise: bool = False, select: Callable[[str], bool] | None = None) -> torch.Tensor:
+              reseed_noise: bool = False, select: Callable[[str], bool] | None = None,
+              noise_seed: int | None = None) -> torch.Tensor:
     """All parameter gradients of one training step on ``inputs`` (``labels`` included), flattened
     to float64 (sums over millions of entries stay exact enough for a cosine).
 
     ``seed`` seeds torch (same seed: same dropout masks). ``autocast``: a dtype to run the forward
     under ``torch.autocast`` with (the backward runs outside it, as in a training loop).
     ``reseed_noise``: also restart the rounding noise from ``seed``, so the gradient does not depend
-    on what ran before in the process (docs/DESIGN.md, Bit-identical forward). ``select``: keep
-    only the parameters whose name it accepts (e.g. a PEFT adapter's).
+    on what ran before in the process (docs/DESIGN.md, Bit-identical forward). ``noise_seed``:
+    restart it from this seed instead, with the dropout masks still those of ``seed`` (noise
+    draws of one step). ``select``: keep only the parameters whose name it accepts (e.g. a PEFT
+    adapter's).
     """
     model.train()
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
-    if reseed_noise:
-        reseed(seed)
+    if noise_seed is not None or reseed_noise:
+        reseed(seed if noise_seed is None else noise_seed)
     device = next(model.parameters()).device.type
     amp = torch.autocast(device, dtype=autocast) if autocast is not None else contextlib.nullcontext()
     with amp:

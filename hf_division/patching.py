@@ -35,6 +35,11 @@ class PatchState:
     losses: list = field(default_factory=list)  # models whose ``loss_function`` was set
 
 
+def layer_names(model: nn.Module) -> list[str]:
+    """The names of ``model``'s layers (Transformers' checkpointable layers), input first."""
+    return [name for name, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
 def config_for(state: PatchState, module: nn.Module) -> DivisionConfig:
     """The config ``module`` uses: ``state.config`` with its ``module_bits`` overrides resolved."""
     if not state.config.override_names():

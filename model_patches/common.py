@@ -18,7 +18,7 @@ DECODER_DEFAULTS = {"attention_bits": 8, "activation_bits": 8}
 #: the LFC and a fraction of its gradient error (docs/DESIGN.md, "Policy"; docs/RESULTS.md, "Real
 #: decoder weights: SmolLM2-135M"). T5, GPT-2 and OPT keep ``DECODER_DEFAULTS``.
 GATED_DECODER_DEFAULTS = {**DECODER_DEFAULTS, "activation_bits": 4, "activation_group_size": 32,
-                          "activation_block_size": 1}
+                          "activation_block_size": 1, "early_layers": 0.4}
 #: BERT-family encoders: no token of real MiniLM's activations reaches the outlier ratio (the bytes
 #: held are the same with and without the search), and the search is one more pass over every
 #: saved tensor: skipped (docs/DESIGN.md, "Policy").

@@ -182,7 +182,7 @@ def test_unset_bits_take_the_family_default_and_explicit_bits_win():
     llama = cfg.resolved("llama")
     assert llama.attention_bits == family_defaults("llama")["attention_bits"] == 8 and llama.linear_bits == 4
     assert cfg.resolved("bert") == DivisionConfig(linear_bits=4, attention_bits=4, activation_bits=4, norm_bits=4,
-                                                  outlier_ratio=0)
+                                                  outlier_ratio=0, early_layers=0)
     assert cfg.resolved("llama").outlier_ratio == cfg.effective_outlier_ratio == 16
     assert DivisionConfig(attention_bits=2).resolved("llama").attention_bits == 2
     assert DivisionConfig(method="actnn").resolved("llama").bits("attention") == 2  # ActNN caps at 2

@@ -3,6 +3,7 @@ import importlib
 import json
 
 import pytest
+import torch
 
 from hf_division import suites
 from hf_division.config import DivisionConfig
@@ -105,3 +106,19 @@ def test_cuda_suite_smoke_on_cpu(tmp_path):
     assert arms["checkpointing"]["cosine"] > 0.9999 and 0.95 < arms["division"]["cosine"] < 1
     with pytest.raises(SystemExit):
         cuda.main(["--device", "cpu", "--shapes", "tiny", "smollm2", "--sizes", "2x48"])
+
+
+def test_noise_draws_keep_the_dropout_masks():
+    # noise_seed varies the rounding noise only: without division (no noise) every draw is the
+    # seed's exact gradient, with dropout on; with division, draws differ but stay close
+    from hf_division.api import apply_division
+    from hf_division.fidelity import cosine, flat_grad
+
+    model = tiny_model("bert", "sdpa").train()  # dropout 0.1
+    inputs = tiny_batch()
+    exact = flat_grad(model, inputs, 0)
+    assert torch.equal(flat_grad(model, inputs, 0, noise_seed=5), exact)
+    assert not torch.equal(flat_grad(model, inputs, 1), exact)  # another seed: other masks
+    apply_division(model)
+    a, b = (flat_grad(model, inputs, 0, noise_seed=k) for k in (1, 2))
+    assert not torch.equal(a, b) and min(cosine(exact, a), cosine(exact, b)) > 0.98

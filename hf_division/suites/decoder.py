@@ -16,7 +16,8 @@ Prints bytes held for backward (``measure_activation_memory``: baseline vs divis
 and the gradient cosine to the exact gradient per seed (``gradient_cosine``).
 
 ``--draws N``: instead, one exact gradient (seed 0) and N division gradients with the rounding
-noise restarted from seeds 0..N-1 (same dropout: the model has none); prints min and median.
+noise restarted from seeds 0..N-1 and the dropout masks of seed 0 (LoRA's dropout; the model
+itself has none); prints min and median.
 ``--autocast bf16``: forward under bf16 autocast, compared with the exact bf16-autocast gradient.
 ``--lora``: PEFT LoRA on all linear layers (r=8, alpha 16, dropout 0.05) with an adapter as some
 steps into training: ``lora_B`` drawn from N(0, 0.02) (seed 0; at zero, A's gradient would be
@@ -72,7 +73,8 @@ def draws(model, batch: dict, config: DivisionConfig | None, n: int, autocast, s
     apply_division(model, config or DivisionConfig())
     out = []
     for seed in range(n):
-        out.append(cosine(exact, flat_grad(model, batch, seed, autocast, reseed_noise=True, select=select)))
+        # the dropout masks stay the exact gradient's (seed 0; LoRA's dropout): only the noise varies
+        out.append(cosine(exact, flat_grad(model, batch, 0, autocast, noise_seed=seed, select=select)))
         print(f"  draw {seed}: {out[-1]:.4f}", flush=True)
     remove_division(model)
     return out
@@ -118,8 +120,5 @@ def main(argv=None):
 
 
 def _print_memory(memory) -> None:
+    # 'other': the causal-LM loss's tensors (docs/DESIGN.md, "Causal-LM loss"), counted in the total
     print(memory.table())
-    core = [(b, d) for k, (b, d) in memory.by_kind.items() if k != "other"]
-    base, held = sum(b for b, _ in core), sum(d for _, d in core)
-    print(f"without 'other' (loss/logits, untouched by design): baseline {base / 2**20:.2f} MiB, "
-          f"division {held / 2**20:.2f} MiB, ratio {base / max(held, 1):.1f}")
