@@ -57,8 +57,7 @@ def build(shape: str, device: str, seed: int = 0):
 
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(**SHAPES[shape], tie_word_embeddings=True, max_position_embeddings=8192)
-    config._attn_implementation = "sdpa"
-    return transformers.LlamaForCausalLM(config).to(device)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device)
 
 
 def set_arm(model, arm: str) -> None:
