@@ -4,11 +4,13 @@ import importlib
 from .config import DivisionConfig
 from .measure import measure_activation_memory
 from .api import apply_division, remove_division, supported_model_types
+from .store import exact
 
 __all__ = [
     "DivisionConfig",
     "apply_division",
     "remove_division",
+    "exact",
     "supported_model_types",
     "measure_activation_memory",
     "TrainingArguments",

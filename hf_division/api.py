@@ -7,6 +7,8 @@ the patching itself is the primitives of :mod:`hf_division.patching` (docs/DESIG
 from __future__ import annotations
 
 import contextlib
+import copy
+import types
 import warnings
 
 from torch import nn
@@ -20,10 +22,12 @@ from .patching import (PatchState, layer_names, patch_causal_lm_loss, patch_chec
 from .registry import fallback, family, supported_model_types
 
 __all__ = ["apply_division", "remove_division", "restored_division", "division_config_of", "patched_modules",
-           "supported_model_types", "unwrap"]
+           "supported_model_types", "unwrap", "patched_again"]
 
 #: instance attribute of the unwrapped model holding its :class:`~hf_division.patching.PatchState`
 STATE_ATTR = "_division_state"
+#: instance hooks that make ``copy.deepcopy`` and pickle copy the model unpatched, then patch the copy
+COPY_HOOKS = ("__deepcopy__", "__reduce_ex__")
 
 
 def apply_division(model: nn.Module, config: DivisionConfig | None = None) -> nn.Module:
@@ -59,7 +63,38 @@ def apply_division(model: nn.Module, config: DivisionConfig | None = None) -> nn
         _undo(base, state)
         raise
     base.__dict__[STATE_ATTR] = state
+    base.__dict__["__deepcopy__"] = types.MethodType(_deepcopy_patched, base)
+    base.__dict__["__reduce_ex__"] = types.MethodType(_reduce_patched, base)
     return model
+
+
+def _plain_copy(base: nn.Module, memo: dict | None = None):
+    """``(deep copy of base as if unpatched, base's config)``; ``base`` is patched again after.
+
+    Why: the patched forwards are closures over the modules they replaced, so a copy of them
+    would run the original's modules (docs/GUIDE.md, "Guarantees")."""
+    config = division_config_of(base)
+    remove_division(base)
+    try:
+        return copy.deepcopy(base, memo), config
+    finally:
+        apply_division(base, config)
+
+
+def _deepcopy_patched(base: nn.Module, memo: dict):
+    clone, config = _plain_copy(base, memo)
+    return apply_division(clone, config)
+
+
+def _reduce_patched(base: nn.Module, protocol: int):
+    # pickled as "an unpatched copy, patched again on load": the copy holds a second set of
+    # weights until pickling ends
+    return patched_again, _plain_copy(base)
+
+
+def patched_again(model: nn.Module, config: DivisionConfig) -> nn.Module:
+    """What unpickling a patched model calls: ``apply_division(model, config)``."""
+    return apply_division(model, config)
 
 
 def _patcher(base: nn.Module, model_type: str | None, config: DivisionConfig):
@@ -109,6 +144,8 @@ def remove_division(model: nn.Module) -> nn.Module:
 
 
 def _undo(base: nn.Module, state: PatchState) -> None:
+    for name in COPY_HOOKS:
+        base.__dict__.pop(name, None)
     for module, previous in reversed(state.modules):
         restore_forward(module, previous)
     restore(state.attn)

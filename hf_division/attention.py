@@ -8,6 +8,7 @@ the original one, so the forward is bit-identical, but keeps only compressed q/k
 from __future__ import annotations
 
 import sys
+import weakref
 
 import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
@@ -92,16 +93,32 @@ def configs_of(model) -> list:
     return found
 
 
-def switch(model) -> list[tuple[object, str]]:
-    """Point every config of ``model`` at its division twin; return what to restore."""
+#: id(config) -> [weak reference to the config, its implementation before the first switch, patched models using it]:
+#: models built from one config object (``type(m)(m.config)``) share it, so the config goes back
+#: to its own implementation only when the last of them is unpatched
+_switched: dict[int, list] = {}
+
+
+def switch(model) -> list:
+    """Point every config of ``model`` at its division twin; return the configs to :func:`restore`."""
     saved = []
     for cfg in configs_of(model):
-        impl = cfg._attn_implementation or "eager"
-        saved.append((cfg, cfg._attn_implementation_internal))
-        cfg._attn_implementation_internal = register(impl)
+        record = _switched.get(id(cfg))
+        if record is None or record[0]() is not cfg:
+            record = _switched[id(cfg)] = [weakref.ref(cfg), cfg._attn_implementation_internal, 0]
+            cfg._attn_implementation_internal = register(cfg._attn_implementation or "eager")
+        record[2] += 1
+        saved.append(cfg)
     return saved
 
 
-def restore(saved: list[tuple[object, str]]) -> None:
-    for cfg, impl in saved:
-        cfg._attn_implementation_internal = impl
+def restore(saved: list) -> None:
+    """Undo one :func:`switch`: each config returns to its implementation once no model uses it."""
+    for cfg in saved:
+        record = _switched.get(id(cfg))
+        if record is None or record[0]() is not cfg:
+            continue
+        record[2] -= 1
+        if record[2] <= 0:
+            cfg._attn_implementation_internal = record[1]
+            del _switched[id(cfg)]

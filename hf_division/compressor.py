@@ -36,7 +36,7 @@ from .quant import (
     outlier_tokens,
 )
 
-__all__ = ["Layout", "Packed", "compress", "decompress", "quantize_groups", "set_fused"]
+__all__ = ["Layout", "Packed", "cast_finite", "compress", "decompress", "quantize_groups", "set_fused"]
 
 
 @dataclass(frozen=True)
@@ -157,14 +157,24 @@ def compress(
         x3, rows, row_index = _split_outliers(x3, outlier_ratio, dtype)
     seed = noise_seed(x.device, generator) if stochastic else None
     if layout is None or grouping == "flat":
-        packed, lo, scale = _compress_flat(x3, seed, bits, group_size)
-        return Packed(packed, lo, scale, None, shape, dtype, layout, bits, 1, group_size, rows, row_index, "flat")
-    block = max(1, block_size)
+        group = min(group_size, -(-x3.numel() // 8) * 8)  # one group at most: no padding beyond it
+        packed, lo, scale = _compress_flat(x3, seed, bits, group)
+        return _no_larger(Packed(packed, lo, scale, None, shape, dtype, layout, bits, 1, group, rows, row_index, "flat"), x)
+    block = max(1, min(block_size, x3.shape[1]))  # a row shorter than a block is one block, not padded
     if block > 1 and lfc_dtype == torch.float16 and x3.abs().amax() > _FP16_MAX:
         lfc_dtype = torch.float32  # block means beyond fp16's range would store inf: widen this LFC
     group = _token_group(group_size, block, bits)
     codes, lfc, lo, scale = _compress_tokens(x3, seed, bits, block, group, lfc_dtype)
-    return Packed(codes, lo, scale, lfc, shape, dtype, layout, bits, block, group, rows, row_index, "tokens")
+    return _no_larger(Packed(codes, lo, scale, lfc, shape, dtype, layout, bits, block, group, rows, row_index, "tokens"), x)
+
+
+def _no_larger(p: Packed, x: torch.Tensor) -> Packed:
+    """``p``, or ``x`` kept as it is (``bits == 0``) when ``p`` would hold as many bytes or more:
+    short rows padded to a block, tiny groups and narrow dtypes at 8 bits can cost more than the
+    tensor (docs/GUIDE.md, "Guarantees")."""
+    if p.nbytes < x.numel() * x.element_size():
+        return p
+    return Packed(x, None, None, None, p.shape, p.dtype, None, 0, p.block_size, p.group_size)
 
 
 def _split_outliers(x3: torch.Tensor, ratio: float, dtype: torch.dtype):
@@ -231,13 +241,13 @@ def decompress(p: Packed) -> torch.Tensor:
         (flat,) = run_groups(dequantize_tuple, p.lo.numel(), (p.packed, p.lo, p.scale), (per_code, 1, 1),
                              (p.bits, p.group_size))
         if layout is None:
-            return _cast(flat[: math.prod(p.shape)].view(p.shape), p.dtype)
+            return cast_finite(flat[: math.prod(p.shape)].view(p.shape), p.dtype)
         x = flat[: math.prod(layout.shape)].view(-1, layout.channels)
     else:
         x = _decode_tokens(p, layout)
     if p.rows is not None:
         x.view(-1, x.shape[-1]).index_copy_(0, p.row_index, p.rows.to(x.dtype))
-    return _cast(x, p.dtype).reshape(layout.shape).permute(layout.inverse())
+    return cast_finite(x, p.dtype).reshape(layout.shape).permute(layout.inverse())
 
 
 def _decode_tokens(p: Packed, layout: Layout) -> torch.Tensor:
@@ -264,8 +274,8 @@ def _decode_tokens(p: Packed, layout: Layout) -> torch.Tensor:
     return x[:, :t].contiguous() if tp != t else x
 
 
-def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float32 rebuilt values -> ``dtype``, clamped to its finite range: a value at the edge of
+def cast_finite(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 rebuilt values (in place) -> ``dtype``, clamped to its finite range: a value at the edge of
     fp16's range (65504) plus its quantization error would otherwise round to inf."""
     if dtype.is_floating_point and torch.finfo(dtype).max < torch.finfo(x.dtype).max:
         big = torch.finfo(dtype).max

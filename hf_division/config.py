@@ -106,9 +106,13 @@ class DivisionConfig:
         if self.rounding not in _ROUNDING:
             raise ValueError(f"DivisionConfig.rounding must be one of {_ROUNDING}, got {self.rounding!r}")
         for name in ("block_size", "group_size", "min_numel"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name == "min_numel" else 1):
-                raise ValueError(f"DivisionConfig.{name} must be a positive integer, got {value!r}")
+            value, least = getattr(self, name), 0 if name == "min_numel" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                what = "a non-negative" if least == 0 else "a positive"
+                raise ValueError(f"DivisionConfig.{name} must be {what} integer, got {value!r}")
+        for name in ("norm_row_scale", "dropout_bits", "generic_fallback"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"DivisionConfig.{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("group_size", *(f"{kind}_group_size" for kind in PER_KIND_LAYOUT)):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 8 or value % 8):
@@ -122,7 +126,7 @@ class DivisionConfig:
             raise ValueError(f"DivisionConfig.outlier_ratio must be 0 (off) or a number > 1, got {self.outlier_ratio!r}")
         for kind in KINDS:
             bits = getattr(self, f"{kind}_bits")
-            if bits is not None and (bits not in (0, 1, 2, 4, 8) or isinstance(bits, bool)):
+            if bits is not None and (not isinstance(bits, int) or isinstance(bits, bool) or bits not in (0, 1, 2, 4, 8)):
                 raise ValueError(f"DivisionConfig.{kind}_bits must be 0, 1, 2, 4, 8 or None, got {bits!r}")
         early = self.early_layers
         if early is not None and (isinstance(early, bool) or not isinstance(early, (int, float)) or not 0 <= early <= 1):
@@ -258,7 +262,7 @@ def _parse_module_bits(value) -> dict:
         for kind, bits in per_kind.items():
             if kind not in KINDS:
                 raise ValueError(f"{where}[{name!r}]: unknown kind {kind!r}; kinds are {KINDS}")
-            if bits not in (0, 1, 2, 4, 8) or isinstance(bits, bool):
+            if not isinstance(bits, int) or isinstance(bits, bool) or bits not in (0, 1, 2, 4, 8):
                 raise ValueError(f"{where}[{name!r}][{kind!r}] must be 0, 1, 2, 4 or 8, got {bits!r}")
         out[name] = spec if isinstance(spec, int) else dict(spec)
     return out

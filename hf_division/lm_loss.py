@@ -17,8 +17,8 @@ import weakref
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
+from .once import first_order
 from .sdpa_backward import CHUNK_BYTES
 
 __all__ = ["CausalLMLossFn", "causal_lm_loss", "head_of", "tag_logits"]
@@ -91,7 +91,7 @@ class CausalLMLossFn(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, grad):
         hidden, weight, bias, lse, safe, valid, denominator = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]

@@ -11,12 +11,12 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .accounting import account_tensors
 from .config import DivisionConfig
+from .once import first_order
 from .quant import pack_mask, unpack_mask
 from .sdpa_backward import GradientOnlySDPA
 from .store import Entry, derive, keep, lookup, recomputing
@@ -57,7 +57,7 @@ class LinearFn(torch.autograd.Function):
         return fwd(x)
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, grad):
         (weight,) = ctx.saved_tensors
         gx = gw = gb = None
@@ -90,7 +90,7 @@ class RecomputeFn(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, grad):
         params = ctx.saved_tensors
         x = ctx.entry.take().detach().requires_grad_(ctx.needs_input_grad[4])
@@ -148,7 +148,7 @@ class GatedFn(torch.autograd.Function):
         return h
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, grad):
         gate, up = (e.take() for e in ctx.entries)
         gate = gate.detach().requires_grad_(True)
@@ -188,7 +188,7 @@ class DropoutFn(torch.autograd.Function):
         return unpack_mask(ctx.bits, ctx.n, ctx.shape).to(ctx.dtype).div_(1 - ctx.p)
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, grad):
         return grad * DropoutFn.noise(ctx).to(grad.dtype), None
 
@@ -304,7 +304,7 @@ class AttentionFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, grad):
         qkv = [e.take().detach().requires_grad_(need) for e, need in zip(ctx.entries, ctx.needs_input_grad[:3])]
         extra = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[5:])]
@@ -340,7 +340,7 @@ class CheckpointFn(torch.autograd.Function):
             return ctx.run(*args)
 
     @staticmethod
-    @once_differentiable
+    @first_order
     def backward(ctx, *grads):
         args = []
         for a, need in zip(ctx.args, ctx.needs_input_grad[2:]):

@@ -8,6 +8,7 @@ replaced in a :class:`PatchState`; :mod:`hf_division.api` owns that state's life
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from .attention import CONFIG_ATTR, switch
 from .config import DivisionConfig
 from .lm_loss import causal_lm_loss, tag_logits
+from .noise import model_stream
 from .ops import BitDropout, CheckpointFn, GatedFn, LinearFn, RecomputeFn
 from .store import active
 
@@ -30,7 +32,7 @@ class PatchState:
     config: DivisionConfig
     modules: list = field(default_factory=list)  # (module, previous instance forward or None)
     n_modules: int = 0  # size of the module tree when last patched
-    attn: list = field(default_factory=list)  # (config object, previous attn implementation)
+    attn: list = field(default_factory=list)  # config objects switched to division attention
     names: dict = field(default_factory=dict)  # id(module) -> name in the model (for module_bits)
     losses: list = field(default_factory=list)  # models whose ``loss_function`` was set
 
@@ -146,7 +148,8 @@ def patch_root(state: PatchState, model: nn.Module, repatch) -> None:
     ``get_peft_model`` after ``apply_division`` adds ``lora_A``/``lora_B``) get patched before they
     run, by calling ``repatch`` when the module count changed; (2) every dropout, ``nn.Dropout`` or
     functional (OPT calls ``F.dropout`` directly), keeps its mask as bits: the forward runs under a
-    ``TorchFunctionMode`` that routes ``F.dropout`` to :class:`DropoutFn`."""
+    ``TorchFunctionMode`` that routes ``F.dropout`` to :class:`DropoutFn`; (3) the rounding noise
+    comes from the model's own streams (:func:`~hf_division.noise.model_stream`)."""
     config = state.config
     state.n_modules = sum(1 for _ in model.modules())
 
@@ -156,9 +159,7 @@ def patch_root(state: PatchState, model: nn.Module, repatch) -> None:
                 return orig(*args, **kwargs)
             if sum(1 for _ in self.modules()) != state.n_modules:
                 repatch()
-            if not config.dropout_bits:
-                return orig(*args, **kwargs)
-            with BitDropout():
+            with model_stream(self), BitDropout() if config.dropout_bits else contextlib.nullcontext():
                 return orig(*args, **kwargs)
 
         return forward

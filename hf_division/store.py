@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from .accounting import account
-from .compressor import Packed, compress, decompress
+from .compressor import Packed, cast_finite, compress, decompress
 from .config import DivisionConfig
 from .noise import generator
 from .quant import pack_mask, unpack_mask
@@ -125,6 +125,14 @@ def recomputing():
         _recomputing[0] -= 1
 
 
+@contextlib.contextmanager
+def exact():
+    """Forwards run inside keep what they save for backward uncompressed, as the unpatched model
+    does (e.g. for a gradient penalty, which needs second derivatives); the model stays patched."""
+    with recomputing():
+        yield
+
+
 # ----------------------------------------------------------------------------- registry
 _live: dict[int, tuple[weakref.ref, int, Entry]] = {}
 
@@ -183,8 +191,11 @@ def _keep_row_scaled(t: torch.Tensor, kind: str, config: DivisionConfig) -> Entr
     x, dtype = t.detach(), t.dtype  # the recipe must not reference ``t``: that would keep it alive
     rms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).mul_(x.shape[-1] ** -0.5)
     rms = torch.where(rms > 0, rms, torch.ones_like(rms))
-    rest = Entry(kind, packed=pack(x / rms, kind, config))
-    derive(t, (rest,), lambda r: (r * rms).to(dtype), extra=[rms])
+    packed = pack(x / rms, kind, config)
+    if not packed.bits:  # not smaller compressed: ``keep`` holds ``t`` itself, without the scales
+        return None
+    # clamped to ``dtype``'s range: an fp16 value near 65504 times its rebuilt scale can round to inf
+    derive(t, (Entry(kind, packed=packed),), lambda r: cast_finite(r * rms, dtype), extra=[rms])
     return lookup(t)
 
 

@@ -9,6 +9,7 @@ from hf_division import suites
 from hf_division.config import DivisionConfig
 from hf_division.fidelity import gradient_cosine
 from hf_division.measure import measure_activation_memory
+from hf_division.noise import reseed
 from hf_division.suites.auto_precision import markdown, neighbours
 from hf_division.suites.common import measure_config
 from hf_division.suites.family import POLICIES
@@ -60,6 +61,10 @@ def test_family_suite_end_to_end(capsys):
     model, batch = family_model("t5")
     config = DivisionConfig(**POLICIES["only linear"])
     assert (label, " ".join(name)) == ("t5", "only linear")
+    # the suite's noise restarted at torch seed 1 (a new torch seed); make it new again here, so
+    # this recomputation draws the same noise (docs/DESIGN.md, "Rounding noise")
+    torch.manual_seed(99)
+    reseed(99)
     assert float(cos) == round(min(gradient_cosine(model, batch, config, seeds=(1,))), 4)
     assert float(ratio) == round(measure_activation_memory(model, batch, config).ratio, 1)
     with pytest.raises(ValueError, match="--policies: unknown"):

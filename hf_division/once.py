@@ -1,0 +1,35 @@
+"""Backward functions that refuse to be differentiated again, naming hf-division.
+
+The ops keep compressed copies of what they save and compute their backward from rebuilt tensors
+outside autograd (``once_differentiable``), so a second derivative through them does not exist.
+PyTorch alone would either raise an error that does not say why (``backward(create_graph=True)``)
+or, for ``torch.autograd.grad(..., create_graph=True)`` followed by a backward of the result, let
+the second-order terms through these ops vanish. A backward that runs with grad mode on is one
+asked to build a graph (``create_graph=True``): it raises instead (docs/GUIDE.md, "Guarantees").
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.autograd.function import once_differentiable
+
+HIGHER_ORDER = (
+    "hf-division: higher-order gradients (create_graph=True, e.g. a gradient penalty) are not "
+    "supported through compressed activations; run that forward without division: "
+    "`with hf_division.exact(): ...` or hf_division.remove_division(model)"
+)
+
+
+def first_order(backward):
+    """``once_differentiable(backward)`` that raises a RuntimeError naming hf-division when the
+    backward is asked for a graph of itself."""
+    inner = once_differentiable(backward)
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise RuntimeError(HIGHER_ORDER)
+        return inner(ctx, *grads)
+
+    return wrapper

@@ -1,0 +1,95 @@
+"""Property tests of the compressor (Hypothesis): for random shapes (1-token rows, odd lengths),
+dtypes (fp32, bf16, fp16, values up to the dtype's range), bit widths, groupings, blocks and
+groups, ``decompress(compress(x))`` has ``x``'s shape and dtype, each element is within one
+quantization step of its group (plus the rounding to ``x``'s dtype), the bytes reported are the
+bytes held, and the compressed form is never larger than ``x`` (docs/GUIDE.md, "Guarantees")."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hf_division.compressor import compress, decompress, set_fused
+
+#: largest |x| generated per dtype: fp16 up to its maximum (fp16 activations reach it); fp32 and
+#: bf16 to 1e36, where ranges and block sums stay finite in float32 (GUIDE, "Guarantees")
+LIMIT = {torch.float32: 1e36, torch.bfloat16: 1e36, torch.float16: torch.finfo(torch.float16).max}
+
+shapes = st.tuples(st.integers(1, 3), st.integers(1, 70), st.integers(1, 40))
+layouts = st.fixed_dictionaries({
+    "bits": st.sampled_from([1, 2, 4, 8]),
+    "grouping": st.sampled_from(["tokens", "flat"]),
+    "block_size": st.sampled_from([1, 2, 8, 16, 64, 10**9]),
+    "group_size": st.sampled_from([8, 16, 256, 10**9 // 8 * 8]),
+    "outlier_ratio": st.sampled_from([0.0, 4.0]),
+})
+
+
+@st.composite
+def tensors(draw):
+    m, t, c = draw(shapes)
+    dtype = draw(st.sampled_from(list(LIMIT)))
+    magnitude = draw(st.sampled_from([1e-3, 1.0, 1e4, "max"]))
+    seed = draw(st.integers(0, 2**16))
+    x = torch.randn(m, t, c, generator=torch.Generator().manual_seed(seed))
+    if magnitude == "max":  # a few values at the dtype's largest magnitude, the rest spread below
+        x = x / x.abs().amax().clamp(min=1e-12) * LIMIT[dtype]
+        x.view(-1)[:: max(1, x.numel() // 3)] = LIMIT[dtype]
+    else:
+        x = x * magnitude
+    return x.to(dtype)
+
+
+def group_steps(p, x):
+    """The quantization step of each element's group, shaped as ``x`` (contiguous ``(M, T, C)``)."""
+    m, t, c = x.shape
+    if p.grouping == "flat":
+        index = torch.arange(x.numel()) // p.group_size
+        return p.scale.float()[index].view(x.shape)
+    tp = -(-t // p.block_size) * p.block_size
+    token = (torch.arange(m).view(m, 1) * tp + torch.arange(t).view(1, t)).view(-1)
+    return p.scale.float()[token // p.group_size].view(m, t, c)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def eager():
+    set_fused(False)  # hundreds of shapes: compiling each would dominate; the math is the same
+    yield
+    set_fused(True)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(x=tensors(), layout=layouts)
+def test_round_trip_error_bytes_and_size(x, layout):
+    p = compress(x, token_dim=-2, generator=torch.Generator().manual_seed(0), **layout)
+    y = decompress(p)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    assert torch.isfinite(y).all()
+    raw = x.numel() * x.element_size()
+    # the bytes reported are the storages held, nothing hidden behind a view
+    assert p.nbytes == sum(s.numel() * s.element_size() for s in p.storages())
+    if p.bits == 0:  # kept as it is: never larger than the input
+        assert y is x or torch.equal(y, x)
+        return
+    assert p.nbytes < raw
+    step = group_steps(p, x)
+    err = (y.double() - x.double()).abs()
+    # one step of the group (scales are rounded up, so this includes the LFC's own rounding),
+    # plus the rounding of the result to x's dtype
+    bound = step.double() * (1 + 2**-7) + x.double().abs() * torch.finfo(x.dtype).eps + 1e-30
+    worst = (err - bound).max().item()
+    assert worst <= 0, f"error exceeds one step by {worst:.3g}"
+
+
+@settings(max_examples=100, deadline=None)
+@given(x=tensors(), bits=st.sampled_from([1, 2, 4, 8]))
+def test_bit_width_sets_the_code_bytes(x, bits):
+    """Token grouping: codes take exactly ``bits`` per element of the (block-padded) tensor."""
+    p = compress(x, bits=bits, block_size=16, group_size=256, token_dim=-2, generator=torch.Generator().manual_seed(0))
+    if p.bits == 0:
+        return
+    m, t, c = x.shape
+    block = min(16, t)
+    assert p.block_size == block
+    tokens = m * (-(-t // block) * block)
+    full, rest = divmod(tokens, p.group_size)
+    assert p.packed.numel() == full * p.group_size * c * bits // 8 + -(-rest * c * bits // 8)

@@ -1,0 +1,247 @@
+"""Reliability (docs/GUIDE.md, "Guarantees"): copies and pickles train themselves, higher-order
+gradients fail naming hf-division, never more bytes than the baseline, no fp16 overflow from the
+norm rebuild, shared configs, strict config types, script arguments, per-model noise, and a
+forward or backward interrupted half-way leaves nothing behind."""
+import copy
+import gc
+import io
+import pickle
+
+import pytest
+import torch
+
+import hf_division as hd
+from hf_division import DivisionConfig, apply_division, measure_activation_memory, remove_division
+from hf_division.api import division_config_of, patched_modules
+from hf_division.measure import held_bytes
+from hf_division.glue import DataTrainingArguments, parse_loop_args
+from hf_division.noise import reseed
+from hf_division.store import live_count
+
+from conftest import tiny_batch, tiny_model
+
+NO_DROPOUT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def grads_on(model) -> int:
+    return sum(p.grad is not None for p in model.parameters())
+
+
+def eval_logits(model, batch):
+    model.eval()
+    with torch.no_grad():
+        return model(**batch).logits
+
+
+# ----------------------------------------------------------------------------- 1. copies
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save", "pickle"])
+def test_copy_of_patched_model_trains_itself(how, batch):
+    model = apply_division(tiny_model("bert"))
+    if how == "deepcopy":
+        clone = copy.deepcopy(model)
+    elif how == "torch.save":
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        clone = torch.load(buf, weights_only=False)
+    else:
+        clone = pickle.loads(pickle.dumps(model))
+    assert division_config_of(clone) == division_config_of(model)
+    clone.train()
+    assert held_bytes(clone, batch)[0] < held_bytes(tiny_model("bert").train(), batch)[0] / 2  # compresses
+    assert len(patched_modules(clone)) == len(patched_modules(model))
+    assert not set(map(id, patched_modules(clone))) & set(map(id, model.modules()))
+    clone.train()
+    clone(**batch).loss.backward()
+    assert grads_on(model) == 0 and grads_on(clone) > 0
+    before = eval_logits(clone, batch)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.mul_(0.5)
+    assert not torch.equal(eval_logits(clone, batch), before)  # the copy's weights decide its output
+    remove_division(model)
+    assert not any(k in m.__dict__ for m in model.modules() for k in ("forward", "__deepcopy__", "__reduce_ex__"))
+
+
+def test_apply_remove_apply_is_exact(batch):
+    model = tiny_model("llama", "sdpa")
+    plain = eval_logits(model, batch)
+    keys = {id(m): set(m.__dict__) for m in model.modules()}
+    impl = model.config._attn_implementation
+    for _ in range(2):
+        apply_division(model)
+        apply_division(model)  # idempotent
+        assert torch.equal(eval_logits(model, batch), plain)
+        remove_division(model)
+        assert {id(m): set(m.__dict__) for m in model.modules()} == keys
+        assert model.config._attn_implementation == impl
+    assert torch.equal(eval_logits(model, batch), plain)
+
+
+# ----------------------------------------------------------------------------- 2. higher order
+def test_higher_order_gradients_raise_naming_hf_division(batch):
+    model = apply_division(tiny_model("bert", **NO_DROPOUT))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    with pytest.raises(RuntimeError, match="hf-division.*higher-order"):
+        torch.autograd.grad(model(**batch).loss, params, create_graph=True, allow_unused=True)
+    with pytest.raises(RuntimeError, match="hf-division.*higher-order"):
+        model(**batch).loss.backward(create_graph=True)
+
+
+def penalty_grads(model, batch):
+    params = [p for p in model.parameters() if p.requires_grad]
+    g = torch.autograd.grad(model(**batch).loss, params, create_graph=True, allow_unused=True)
+    penalty = sum((x ** 2).sum() for x in g if x is not None)
+    return torch.autograd.grad(penalty, params, allow_unused=True)
+
+
+def test_exact_context_gives_the_unpatched_second_derivatives(batch):
+    plain = tiny_model("bert", **NO_DROPOUT).train()
+    patched = apply_division(tiny_model("bert", **NO_DROPOUT)).train()
+    want = penalty_grads(plain, batch)
+    with hd.exact():
+        got = penalty_grads(patched, batch)
+    assert sum(g is not None for g in want) > 10
+    for a, b in zip(want, got):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b)
+
+
+# ----------------------------------------------------------------------------- 3. bytes
+@pytest.mark.parametrize("model_type,config,batch_size,seq", [
+    ("bert", DivisionConfig(block_size=256), 32, 17),
+    ("bert", DivisionConfig(block_size=4096), 32, 17),
+    ("bert", DivisionConfig(block_size=10**9), 32, 17),
+    ("bert", DivisionConfig(), 128, 1),
+    ("llama", DivisionConfig(), 128, 1),
+    ("llama", DivisionConfig(linear_bits=8, attention_bits=8, activation_bits=8, norm_bits=8), 64, 3),
+])
+def test_never_more_bytes_than_the_baseline(model_type, config, batch_size, seq):
+    """Before the fix (issue 13) blocks longer than the rows padded every row to a whole block:
+    more bytes than the baseline, or (block 10**9) an allocation of about a terabyte."""
+    report = measure_activation_memory(tiny_model(model_type), tiny_batch(batch=batch_size, seq=seq), config)
+    assert report.division_bytes <= report.baseline_bytes, report.ratio
+
+
+# ----------------------------------------------------------------------------- 4. fp16
+def nonfinite_fp16_grads(patch: bool) -> int:
+    """A tiny fp16 Llama whose residual stream gets one token with 6e4 in 16 of its 64 channels
+    (a massive activation): rebuilt as (token / its RMS) x RMS, it used to round past 65504."""
+    torch.manual_seed(0)
+    model = tiny_model("llama").half()
+    if patch:
+        apply_division(model)
+    model.train()
+
+    def massive(module, args, out):
+        h = out[0].clone() if isinstance(out, tuple) else out.clone()
+        h[0, 5, :16] = 6e4
+        return (h, *out[1:]) if isinstance(out, tuple) else h
+
+    model.model.layers[0].register_forward_hook(massive)
+    torch.manual_seed(0)
+    model(**tiny_batch()).loss.float().backward()
+    return sum(int((~torch.isfinite(p.grad)).sum()) for p in model.parameters() if p.grad is not None)
+
+
+def test_fp16_norm_rebuild_stays_finite():
+    assert nonfinite_fp16_grads(patch=False) == 0
+    assert nonfinite_fp16_grads(patch=True) == 0  # 77,128 non-finite entries before the fix
+
+
+# ----------------------------------------------------------------------------- 5. shared config
+def test_models_sharing_one_config(batch):
+    a = tiny_model("llama", "sdpa")
+    b = type(a)(a.config)
+    assert a.config is b.config
+    apply_division(a)
+    apply_division(b)
+    remove_division(a)
+    assert b.config._attn_implementation == "division_sdpa"  # b still compresses its attention
+    a.train(), b.train()
+    assert held_bytes(b, batch)[1]["attention"] < held_bytes(a, batch)[1]["attention"] / 2
+    remove_division(b)
+    assert a.config._attn_implementation == "sdpa"
+
+
+# ----------------------------------------------------------------------------- 6. config types
+@pytest.mark.parametrize("field,value,message", [
+    ("linear_bits", 4.0, "linear_bits"), ("dropout_bits", "no", "dropout_bits"),
+    ("generic_fallback", "yes", "generic_fallback"), ("norm_row_scale", 1, "norm_row_scale"),
+    ("min_numel", -1, "min_numel must be a non-negative integer"), ("module_bits", {"bert": 4.0}, "module_bits"),
+])
+def test_config_types_are_strict(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        DivisionConfig(**{field: value})
+    assert DivisionConfig(min_numel=0).min_numel == 0
+
+
+# ----------------------------------------------------------------------------- 7. scripts
+@pytest.mark.parametrize("argv,message", [
+    (["--max_train_samples", "0"], "--max_train_samples must be >= 1"),
+    (["--max_eval_samples", "0"], "--max_eval_samples must be >= 1"),
+    (["--num_train_epochs", "0"], "--num_train_epochs must be > 0"),
+])
+def test_loop_arguments_refuse_empty_runs(argv, message):
+    with pytest.raises(ValueError, match=message):
+        parse_loop_args(["--output_dir", "unused", *argv])
+
+
+def test_glue_arguments_refuse_empty_runs():
+    with pytest.raises(ValueError, match="--max_train_samples must be >= 1"):
+        DataTrainingArguments(task_name="sst2", max_train_samples=0)
+
+
+# ----------------------------------------------------------------------------- 8. noise
+def second_step_grads(train_other_in_between: bool) -> torch.Tensor:
+    a = apply_division(tiny_model("bert", seed=0, **NO_DROPOUT)).train()
+    b = apply_division(tiny_model("bert", seed=1, **NO_DROPOUT)).train()
+    reseed(3)
+    batch = tiny_batch()
+    a(**batch).loss.backward()
+    a.zero_grad()
+    if train_other_in_between:
+        b(**batch).loss.backward()
+    a(**batch).loss.backward()
+    return torch.cat([p.grad.flatten() for p in a.parameters() if p.grad is not None])
+
+
+def test_each_model_draws_its_own_noise():
+    assert torch.equal(second_step_grads(False), second_step_grads(True))
+
+
+# ----------------------------------------------------------------------------- faults
+class Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("error", [Stop, KeyboardInterrupt])
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_interrupted_step_leaves_nothing_behind(where, error, batch):
+    model = tiny_model("llama", "sdpa")
+    plain = eval_logits(model, batch)
+    apply_division(model).train()
+    layer = model.model.layers[1]
+
+    def in_forward(module, args, out):
+        raise error()
+
+    def in_backward(module, args, out):
+        h = out[0] if isinstance(out, tuple) else out
+        h.register_hook(lambda g: (_ for _ in ()).throw(error()))
+
+    handle = layer.register_forward_hook(in_forward if where == "forward" else in_backward)
+    with pytest.raises(error):
+        model(**batch).loss.backward()
+    handle.remove()
+    gc.collect()
+    assert live_count() == 0
+    model(**batch).loss.backward()  # still trains
+    assert grads_on(model) > 0
+    gc.collect()
+    assert live_count() == 0
+    remove_division(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert torch.equal(eval_logits(model, batch), plain)
