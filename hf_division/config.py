@@ -32,7 +32,7 @@ DEFAULTS["early_layers"] = 0.0
 EARLY_ACTIVATION_BITS = 8
 
 _LFC_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_METHODS = ("division", "actnn")
+_METHODS = ("division", "actnn", "actnn-all")
 _ROUNDING = ("stochastic", "nearest")
 
 
@@ -70,7 +70,9 @@ class DivisionConfig:
     several modules is compressed once, at the bits of the first module that keeps it.
     """
 
-    method: str = _field("division", '"division" (LFC + HFC) or "actnn" (per-group 2-bit, no LFC).')
+    method: str = _field(
+        "division", '"division" (LFC + HFC); "actnn" (ActNN\'s scope: Linear inputs at 2 bits in flat groups, no LFC, '
+                    'dropout masks as bits, every other kind kept); "actnn-all" (every kind at 2 bits, an ablation).')
     block_size: int = _field(16, "Tokens averaged into one LFC row (DIVISION's block).")
     lfc_dtype: str = _field("bfloat16", "dtype of the LFC: bfloat16, float16 or float32.")
     group_size: int = _field(256, "HFC elements sharing one min/scale pair (DIVISION: tokens of one channel); a multiple of 8.")
@@ -136,19 +138,27 @@ class DivisionConfig:
 
     # ------------------------------------------------------------------ derived settings
     def bits(self, kind: str, name: str | None = None) -> int:
-        """HFC bits for a kind of saved tensor (ActNN: 2 everywhere a kind is compressed), in module
+        """HFC bits for a kind of saved tensor (ActNN: 2 for Linear inputs, 0 for the rest; "actnn-all":
+        2 everywhere a kind is compressed), in module
         ``name`` if given (else in the module this config was made for by :meth:`for_module`)."""
         override = self._resolved.get(kind) if name is None else self._override(kind, name)
         if override is not None:
             return override
+        if self.method == "actnn" and kind != "linear":
+            return 0  # ActNN compresses the inputs of the layers it supports and keeps the rest
         bits = getattr(self, f"{kind}_bits")
         bits = DEFAULT_BITS[kind] if bits is None else bits
-        return min(bits, 2) if self.method == "actnn" and bits else bits
+        return min(bits, 2) if self.is_actnn and bits else bits
+
+    @property
+    def is_actnn(self) -> bool:
+        """ActNN's quantizer: 2-bit flat groups, no LFC, no outlier tokens (both ActNN methods)."""
+        return self.method in ("actnn", "actnn-all")
 
     @property
     def effective_outlier_ratio(self) -> float:
         """``outlier_ratio`` (its default if unset); 0 for ActNN, whose scheme has no such step."""
-        if self.method == "actnn":
+        if self.is_actnn:
             return 0.0
         return DEFAULTS["outlier_ratio"] if self.outlier_ratio is None else float(self.outlier_ratio)
 
@@ -207,7 +217,7 @@ class DivisionConfig:
             lfc_dtype=self.torch_lfc_dtype,
             stochastic=self.rounding == "stochastic",
             outlier_ratio=self.effective_outlier_ratio,
-            grouping="flat" if self.method == "actnn" else "tokens",
+            grouping="flat" if self.is_actnn else "tokens",
         )
 
     def kind_group_size(self, kind: str) -> int:
@@ -218,11 +228,11 @@ class DivisionConfig:
     def kind_block_size(self, kind: str) -> int:
         """LFC block for ``kind`` (1: no LFC): its ``<kind>_block_size`` if set, else the global one."""
         value = getattr(self, f"{kind}_block_size", None) if kind in PER_KIND_LAYOUT else None
-        return self.effective_block_size if value is None or self.method == "actnn" else value
+        return self.effective_block_size if value is None or self.is_actnn else value
 
     @property
     def effective_block_size(self) -> int:
-        return 1 if self.method == "actnn" else self.block_size
+        return 1 if self.is_actnn else self.block_size
 
     @property
     def torch_lfc_dtype(self) -> torch.dtype:

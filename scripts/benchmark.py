@@ -13,7 +13,8 @@ is the same small one everywhere.
 Methods (``METHODS``): ``none``; ``division`` (default DivisionConfig); ``division-aggr``
 (the most aggressive DIVISION setting kept: no LFC, and the fewest bits (2, 4 or 8) per layer and
 kind whose predicted gradient cosine is >= 0.95, from ``hf_division.auto_precision`` with one
-2-bit probe per unit, calibrated per model on other SST-2 rows, ``--calib`` tokens); ``actnn``;
+2-bit probe per unit, calibrated per model on other SST-2 rows, ``--calib`` tokens); ``actnn``
+(ActNN's own scope: Linear inputs at 2 bits, dropout masks as bits); ``actnn-all`` (every kind at 2 bits);
 ``ckpt`` (Transformers' ``activation_checkpointing_enable()``, non-reentrant); ``save_on_cpu``
 (``torch.autograd.graph.save_on_cpu``, pinned only on CUDA: on a CPU-only machine it moves
 nothing, the row shows what its hooks cost); ``division+ckpt``.
@@ -71,7 +72,8 @@ METHODS = {
     "none": {},
     "division": {"division": {}},
     "division-aggr": {"division": {"block_size": 1}, "auto_cosine": 0.95},
-    "actnn": {"division": {"method": "actnn"}},
+    "actnn": {"division": {"method": "actnn"}},  # ActNN's scope: Linear inputs at 2 bits, dropout masks as bits
+    "actnn-all": {"division": {"method": "actnn-all"}},  # ablation: every kind at ActNN's 2 bits
     "ckpt": {"ckpt": True},
     "save_on_cpu": {"offload": True},
     "division+ckpt": {"division": {}, "ckpt": True},

@@ -4,6 +4,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_division as hd
+from hf_division import measure_activation_memory
 from hf_division.accounting import recorded, start_accounting, stop_accounting
 from hf_division.api import division_config_of
 from hf_division.registry import Family, family, family_defaults
@@ -185,7 +186,24 @@ def test_unset_bits_take_the_family_default_and_explicit_bits_win():
                                                   outlier_ratio=0, early_layers=0)
     assert cfg.resolved("llama").outlier_ratio == cfg.effective_outlier_ratio == 16
     assert DivisionConfig(attention_bits=2).resolved("llama").attention_bits == 2
-    assert DivisionConfig(method="actnn").resolved("llama").bits("attention") == 2  # ActNN caps at 2
+    assert DivisionConfig(method="actnn-all").resolved("llama").bits("attention") == 2  # capped at 2
+    actnn = DivisionConfig(method="actnn").resolved("llama")  # ActNN's scope: Linear inputs only
+    assert [actnn.bits(k) for k in ("linear", "attention", "activation", "norm")] == [2, 0, 0, 0]
+
+
+def test_actnn_compresses_what_actnn_does(batch):
+    """ActNN (arXiv 2104.14129) compresses Linear inputs (2 bits) and dropout masks; LayerNorm,
+    GELU and the attention core keep what they save, as without division."""
+    model = tiny_model("bert").train()
+    base = measure_activation_memory(model, batch, DivisionConfig(method="actnn"))
+    for kind in ("activation", "norm"):
+        assert base.division_by_kind[kind] == base.baseline_by_kind[kind], kind
+    # the attention core keeps its probabilities (only the dropout mask on them becomes bits)
+    assert 0.6 * base.baseline_by_kind["attention"] < base.division_by_kind["attention"] <= base.baseline_by_kind["attention"]
+    assert base.division_by_kind["linear"] * 5 < base.baseline_by_kind["linear"]  # 2 of 32 bits + scales
+    assert base.division_by_kind["dropout"] * 6 < base.baseline_by_kind["dropout"]
+    every = measure_activation_memory(model, batch, DivisionConfig(method="actnn-all"))
+    assert every.division_bytes < base.division_bytes
 
 
 

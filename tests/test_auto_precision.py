@@ -66,9 +66,14 @@ def test_overrides_from_file_and_argument_parser(tmp_path):
 
 def test_actnn_overrides_bypass_its_two_bit_cap(batch):
     model = tiny_model("bert")
-    capped = _held(model, batch, DivisionConfig(method="actnn", linear_bits=8, attention_bits=8, activation_bits=8, norm_bits=8))
-    assert capped == _held(model, batch, DivisionConfig(method="actnn"))  # the fields stay capped at 2
-    assert _held(model, batch, DivisionConfig(method="actnn", module_bits=_everything(model, 8))) > capped
+    full = dict(linear_bits=8, attention_bits=8, activation_bits=8, norm_bits=8)
+    capped = _held(model, batch, DivisionConfig(method="actnn-all", **full))
+    assert capped == _held(model, batch, DivisionConfig(method="actnn-all"))  # the fields stay capped at 2
+    assert _held(model, batch, DivisionConfig(method="actnn-all", module_bits=_everything(model, 8))) > capped
+    # ActNN's own scope: the fields cannot widen it, overrides can
+    scoped = _held(model, batch, DivisionConfig(method="actnn", **full))
+    assert scoped == _held(model, batch, DivisionConfig(method="actnn"))
+    assert _held(model, batch, DivisionConfig(method="actnn", module_bits=_everything(model, 8))) < scoped
 
 
 @pytest.mark.parametrize("value,match", [
@@ -171,7 +176,7 @@ def test_bad_auto_precision_input_names_field(batch):
 
 
 # ----------------------------------------------------------------------------- auto-precision end to end
-@pytest.mark.parametrize("method", ["division", "actnn"])
+@pytest.mark.parametrize("method", ["division", "actnn-all"])
 def test_auto_beats_uniform_at_equal_bytes(method):
     torch.manual_seed(0)
     model = tiny_model("bert")

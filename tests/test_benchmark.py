@@ -77,14 +77,14 @@ def test_quick_run_writes_sane_outputs(tmp_path):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads((out / "benchmark.json").read_text())
     recs = {(r["method"], r["batch"], r["seq"]): r for r in data["records"]}
-    methods = ["none", "division", "division-aggr", "actnn", "ckpt", "save_on_cpu", "division+ckpt"]
+    methods = ["none", "division", "division-aggr", "actnn", "actnn-all", "ckpt", "save_on_cpu", "division+ckpt"]
     sizes = [(2, 32), (4, 32)]
     assert set(recs) == {(m, b, s) for m in methods for b, s in sizes}
     with open(out / "benchmark.csv") as f:
         assert len(list(csv.DictReader(f))) == len(recs)
     for b, s in sizes:
         held = {m: recs[m, b, s]["held_bytes"] for m in methods}
-        assert held["division"] < held["none"] and held["actnn"] < held["none"]
+        assert held["division"] < held["none"] and held["actnn-all"] < held["actnn"] < held["none"]
         assert held["division-aggr"] < held["division"]
         assert held["ckpt"] < held["none"]
         assert held["division+ckpt"] < held["ckpt"]

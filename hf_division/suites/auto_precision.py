@@ -1,7 +1,7 @@
 """Auto-precision vs uniform bits at equal bytes, on real MiniLM-L6 and real SST-2 text.
 
 python -m hf_division.suites auto-precision [--data ../shared/data/glue/SST-2/dev.tsv]
-    [--methods division division-nolfc actnn] [--budgets 2 3 4] [--batch 32 --seq 128] [--seeds 0 1 2]
+    [--methods division division-nolfc actnn-all] [--budgets 2 3 4] [--batch 32 --seq 128] [--seeds 0 1 2]
     [--probe-bits 1 2 4] [--attn eager] [--threads 2] [--json FILE] [--md FILE]
 
 Sensitivities are measured once per method on a calibration batch (rows ``batch..2*batch-1`` of
@@ -25,14 +25,14 @@ from ..zoo import build_classifier, minilm_tokenizer
 from .common import measure_config, read_json, set_threads, write_json
 
 #: base policies compared (``division-nolfc``: DIVISION without its LFC, i.e. block_size 1)
-VARIANTS = {"division": {}, "division-nolfc": {"block_size": 1}, "actnn": {"method": "actnn"}}
+VARIANTS = {"division": {}, "division-nolfc": {"block_size": 1}, "actnn-all": {"method": "actnn-all"}}
 HEADER = (f"{'method':<15} {'budget':>6} {'setting':<12} {'avg bits':>8} {'held MiB':>9} {'ratio':>6} {'cos min':>8} "
           f"{'cos mean':>8} {'predicted':>9}")
 
 
 def uniform(model, variant: str, bits: int) -> DivisionConfig:
     """Every kind at ``bits``; for ActNN above its 2-bit cap through per-module overrides."""
-    if variant == "actnn" and bits > 2:
+    if variant == "actnn-all" and bits > 2:
         return DivisionConfig(**VARIANTS[variant], module_bits=json.dumps({n: bits for n, _ in model.named_children()}))
     return DivisionConfig(**VARIANTS[variant], **{f"{k}_bits": bits for k in KINDS})
 

@@ -31,6 +31,7 @@ CANDIDATES = {
     "all 4b": dict(linear_bits=4, attention_bits=4, activation_bits=4, norm_bits=4),
     "default": {},
     "actnn": dict(method="actnn"),
+    "actnn-all": dict(method="actnn-all"),
 }
 
 
