@@ -173,16 +173,14 @@ class DataTrainingArguments:
             path = getattr(self, name)
             if path is not None and path.rsplit(".", 1)[-1] not in ("csv", "json", "jsonl"):
                 raise ValueError(f"--{name} must be a .csv or .json file, got {path}")
-        positive("max_seq_length", self.max_seq_length)
-        for name in ("max_train_samples", "max_eval_samples", "max_predict_samples"):
-            if getattr(self, name) is not None:
-                positive(name, getattr(self, name))
+        for name in ("max_seq_length", "max_train_samples", "max_eval_samples", "max_predict_samples"):
+            positive(name, getattr(self, name))
 
 
 def positive(name: str, value) -> None:
-    """ValueError naming ``--name`` unless ``value`` >= 1 (a run over no examples or epochs would
-    fail later with a traceback that names neither)."""
-    if value < 1:
+    """ValueError naming ``--name`` unless ``value`` is None (unset) or >= 1 (a run over no
+    examples or epochs would fail later with a traceback that names neither)."""
+    if value is not None and value < 1:
         raise ValueError(f"--{name} must be >= 1, got {value}")
 
 
@@ -342,11 +340,9 @@ class LoopArguments:
         self.task_name = task_key(self.task_name)  # ValueError naming the task
         if self.mixed_precision is not None and self.mixed_precision not in MIXED:
             raise ValueError(f"--mixed_precision must be one of {MIXED}, got {self.mixed_precision!r}")
-        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_seq_length"):
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "max_seq_length",
+                     "max_train_samples", "max_eval_samples"):
             positive(name, getattr(self, name))
-        for name in ("max_train_samples", "max_eval_samples"):
-            if getattr(self, name) is not None:
-                positive(name, getattr(self, name))
         if self.max_steps <= 0 and self.num_train_epochs <= 0:
             raise ValueError(f"--num_train_epochs must be > 0 (or --max_steps >= 1), got {self.num_train_epochs}")
 
