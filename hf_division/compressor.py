@@ -129,6 +129,7 @@ def compress(
     generator: torch.Generator | None = None,
     outlier_ratio: float = 0.0,
     grouping: str = "tokens",
+    exact_tokens: int = 0,
 ) -> Packed:
     """Compress ``x`` (any float dtype, any layout) into a :class:`Packed`.
 
@@ -155,6 +156,10 @@ def compress(
     rows = row_index = None
     if outlier_ratio > 0 and layout is not None and x3.shape[2] > 1:
         x3, rows, row_index = _split_outliers(x3, outlier_ratio, dtype)
+    if exact_tokens > 0 and layout is not None and grouping == "tokens":
+        if exact_tokens >= x3.shape[1]:  # every token exact: nothing to compress
+            return Packed(x, None, None, None, shape, dtype, None, 0, block_size, group_size)
+        x3, rows, row_index = _split_leading(x3, exact_tokens, dtype, rows, row_index)
     seed = noise_seed(x.device, generator) if stochastic else None
     if layout is None or grouping == "flat":
         group = min(group_size, -(-x3.numel() // 8) * 8)  # one group at most: no padding beyond it
@@ -186,6 +191,24 @@ def _split_outliers(x3: torch.Tensor, ratio: float, dtype: torch.dtype):
     flat_rows = x3.reshape(-1, x3.shape[2])
     rows = flat_rows[row_index].to(dtype)
     return flat_rows.index_fill(0, row_index, 0.0).view(x3.shape), rows, row_index  # a copy: x3 may view x
+
+
+def _split_leading(x3: torch.Tensor, k: int, dtype: torch.dtype, rows, row_index):
+    """``x3`` with the first ``k`` tokens of each of its ``M`` rows kept exact (added to the
+    outlier rows already split off, if any) and replaced, in what is compressed, by token ``k``:
+    a copy of a neighbour moves neither its block's LFC much nor any group's range (a zeroed row
+    would put ``-mean`` of its block into the HFC, widening the range of smooth tensors)."""
+    m, t, c = x3.shape
+    lead = (torch.arange(m, device=x3.device)[:, None] * t + torch.arange(k, device=x3.device)).reshape(-1)
+    if row_index is not None:  # outliers already zeroed in x3: take their exact rows from ``rows``
+        fresh = ~torch.isin(lead, row_index)
+        lead = lead[fresh]
+    new_rows = x3.reshape(-1, c)[lead].to(dtype)
+    x3 = x3.clone() if row_index is None else x3  # x3 may view the input
+    x3[:, :k] = x3[:, k : k + 1]
+    if row_index is None:
+        return x3, new_rows, lead
+    return x3, torch.cat([rows, new_rows]), torch.cat([row_index, lead])
 
 
 def _compress_flat(x3: torch.Tensor, seed, bits: int, group_size: int):

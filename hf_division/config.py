@@ -28,6 +28,7 @@ DEFAULT_BITS = {kind: DEFAULTS[f"{kind}_bits"] for kind in KINDS}
 PER_KIND_LAYOUT = ("attention", "activation")
 DEFAULTS.update({f"{kind}_{what}": None for kind in PER_KIND_LAYOUT for what in ("group_size", "block_size")})
 DEFAULTS["early_layers"] = 0.0
+DEFAULTS["exact_tokens"] = 0
 #: bits of the activation inputs in the model's first ``early_layers`` (docs/DESIGN.md, "Policy")
 EARLY_ACTIVATION_BITS = 8
 
@@ -96,6 +97,9 @@ class DivisionConfig:
     dropout_bits: bool = _field(True, "Store dropout masks as 1 bit per element.")
     generic_fallback: bool = _field(False, "Patch model types without a registered patcher generically (with a warning).")
     module_bits: str = _field("", "Per-module overrides of the *_bits fields: a JSON object or a path to a JSON file.")
+    exact_tokens: int | None = _field(
+        None, "Tokens at the start of every sequence kept exact in every compressed kind ([CLS]: a classifier's "
+              "gradient flows through that one row); unset: family default (ViT: 1), else 0.")
     early_layers: float | None = _field(
         None, "Fraction (0 to 1) of the model's layers, counted from the input, whose activation inputs keep 8 bits "
               "(gated decoders: 0.4; unset: family default; 0: none). Layers that module_bits names keep what it says.")
@@ -130,6 +134,9 @@ class DivisionConfig:
             bits = getattr(self, f"{kind}_bits")
             if bits is not None and (not isinstance(bits, int) or isinstance(bits, bool) or bits not in (0, 1, 2, 4, 8)):
                 raise ValueError(f"DivisionConfig.{kind}_bits must be 0, 1, 2, 4, 8 or None, got {bits!r}")
+        exact = self.exact_tokens
+        if exact is not None and (isinstance(exact, bool) or not isinstance(exact, int) or exact < 0):
+            raise ValueError(f"DivisionConfig.exact_tokens must be a non-negative integer, got {exact!r}")
         early = self.early_layers
         if early is not None and (isinstance(early, bool) or not isinstance(early, (int, float)) or not 0 <= early <= 1):
             raise ValueError(f"DivisionConfig.early_layers must be a fraction from 0 to 1, got {early!r}")
@@ -218,6 +225,7 @@ class DivisionConfig:
             stochastic=self.rounding == "stochastic",
             outlier_ratio=self.effective_outlier_ratio,
             grouping="flat" if self.is_actnn else "tokens",
+            exact_tokens=0 if self.is_actnn else (self.exact_tokens or 0),
         )
 
     def kind_group_size(self, kind: str) -> int:

@@ -47,8 +47,13 @@ FAMILY_SIZES = {
                decoder_start_token_id=0),
     "vit": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, image_size=48,
                 patch_size=4),
+    # 64x64 images: 256 patches + [CLS] (docs/ARCHITECTURES.md, "ViT")
+    "vit-257": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, image_size=64,
+                    patch_size=4),
+    "vit-257-h192": dict(hidden_size=192, num_hidden_layers=2, num_attention_heads=3, intermediate_size=384,
+                         image_size=64, patch_size=4),
 }
-FAMILIES = ("llama", "t5", "t5-gated", "vit")
+FAMILIES = ("llama", "t5", "t5-gated", "vit", "vit-257", "vit-257-h192")
 
 
 def minilm_path() -> str:
@@ -110,18 +115,19 @@ def load_smollm2(attn: str = "sdpa"):
     return tok, model
 
 
-def family_model(name: str):
+def family_model(name: str, seed: int = 0):
     """``(model, batch)`` of one family of :data:`FAMILIES`: three labels, batch 4 x 128 random
-    tokens (ViT: 4 random 48x48 images); ``t5-gated`` is T5 with a gated-GELU feed-forward."""
+    tokens (ViT: 4 random 48x48 images, ``vit-257*``: 64x64), weights drawn with ``seed``; ``t5-gated`` is T5 with a gated-GELU feed-forward."""
     if name not in FAMILIES:
         raise ValueError(f"--families: unknown {name!r}")
-    torch.manual_seed(0)
+    torch.manual_seed(seed)  # the weights; the batch is the same for every seed
     g = torch.Generator().manual_seed(0)
     labels = torch.randint(0, 3, (4,), generator=g)
-    if name == "vit":
-        cfg = AutoConfig.for_model("vit", num_labels=3, **FAMILY_SIZES["vit"])
+    if name.startswith("vit"):
+        cfg = AutoConfig.for_model("vit", num_labels=3, **FAMILY_SIZES[name])
         model = AutoModelForImageClassification.from_config(cfg, attn_implementation="eager")
-        return model, {"pixel_values": torch.randn(4, 3, 48, 48, generator=g), "labels": labels}
+        size = cfg.image_size
+        return model, {"pixel_values": torch.randn(4, 3, size, size, generator=g), "labels": labels}
     model_type = "t5" if name.startswith("t5") else name
     extra = dict(feed_forward_proj="gated-gelu") if name == "t5-gated" else {}
     cfg = AutoConfig.for_model(model_type, num_labels=3, **FAMILY_SIZES[model_type], **extra)

@@ -15,4 +15,8 @@ from hf_division.registry import register
 
 from .common import encoder_patcher
 
-apply_division_to_vit = register("vit")(encoder_patcher())
+#: [CLS] kept exact in every saved tensor: the classification gradient flows through that one row
+#: per image, so its quantization error is not averaged over tokens (docs/ARCHITECTURES.md, "ViT").
+VIT_DEFAULTS = {"exact_tokens": 1}
+
+apply_division_to_vit = register("vit", defaults=VIT_DEFAULTS)(encoder_patcher())

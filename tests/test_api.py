@@ -21,10 +21,10 @@ def test_supported_model_types():
 
 
 def test_unsupported_type_names_it():
-    cfg = AutoConfig.for_model("gpt_neox", num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+    cfg = AutoConfig.for_model("stablelm", num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
                                intermediate_size=64, vocab_size=64)
     model = AutoModelForCausalLM.from_config(cfg)
-    with pytest.raises(ValueError, match="gpt_neox.*supported: .*bert"):
+    with pytest.raises(ValueError, match="stablelm.*supported: .*bert"):
         hd.apply_division(model)
     assert all("forward" not in m.__dict__ for m in model.modules())
 
@@ -183,8 +183,9 @@ def test_unset_bits_take_the_family_default_and_explicit_bits_win():
     llama = cfg.resolved("llama")
     assert llama.attention_bits == family_defaults("llama")["attention_bits"] == 8 and llama.linear_bits == 4
     assert cfg.resolved("bert") == DivisionConfig(linear_bits=4, attention_bits=4, activation_bits=4, norm_bits=4,
-                                                  outlier_ratio=0, early_layers=0)
+                                                  outlier_ratio=0, early_layers=0, exact_tokens=0)
     assert cfg.resolved("llama").outlier_ratio == cfg.effective_outlier_ratio == 16
+    assert cfg.resolved("vit").exact_tokens == 1 and DivisionConfig(exact_tokens=0).resolved("vit").exact_tokens == 0
     assert DivisionConfig(attention_bits=2).resolved("llama").attention_bits == 2
     assert DivisionConfig(method="actnn-all").resolved("llama").bits("attention") == 2  # capped at 2
     actnn = DivisionConfig(method="actnn").resolved("llama")  # ActNN's scope: Linear inputs only

@@ -236,3 +236,23 @@ def test_each_kernel_variant_compiles_on_its_own_code_object():
     code_a, code_b = (f._torchdynamo_orig_callable.__code__ for f in (a, b))
     assert code_a is not code_b and code_a is not encode_groups.__code__
     assert code_a.co_code == encode_groups.__code__.co_code  # the same kernel
+
+
+@pytest.mark.parametrize("ratio", [0.0, 16.0])
+def test_exact_tokens_kept_exact(ratio):
+    """``exact_tokens=k``: the first k tokens of every sequence come back bit-exact (with or without
+    outlier tokens split off too), the input is not modified, the rest is compressed as before."""
+    from hf_division.compressor import compress, decompress
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 40, 4, 16, generator=g).transpose(1, 2)  # (B, H, T, d) viewing (B, T, H, d)
+    x[1, :, 7] *= 100  # an outlier token
+    before = x.clone()
+    p = compress(x, bits=4, block_size=8, group_size=64, exact_tokens=2, outlier_ratio=ratio)
+    y = decompress(p)
+    assert torch.equal(x, before)
+    assert torch.equal(y[:, :, :2], x[:, :, :2])
+    if ratio:
+        assert torch.equal(y[1, :, 7], x[1, :, 7])
+    rest = (y - x)[:, :, 2:]
+    assert 0 < rest.norm() < 0.3 * x[:, :, 2:].norm()
+    assert torch.equal(decompress(compress(x, bits=4, exact_tokens=40)), x)  # every token exact

@@ -93,8 +93,9 @@ def test_build_classifier_is_seeded_and_takes_overrides():
 def test_family_models_take_their_batch(name):
     model, batch = family_model(name)
     assert batch["labels"].shape == (4,)
-    if name == "vit":
-        assert batch["pixel_values"].shape == (4, 3, 48, 48)
+    if name.startswith("vit"):
+        size = 48 if name == "vit" else 64
+        assert batch["pixel_values"].shape == (4, 3, size, size)
     else:
         assert batch["input_ids"].shape == (4, 128) and (batch["input_ids"][:, -1] == 1).all()  # T5's eos
     assert model(**batch).logits.shape == (4, 3)

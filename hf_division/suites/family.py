@@ -10,6 +10,7 @@ Families (random init, fp32, eager attention, batch 4 x 128 tokens; ViT 144 patc
   t5        d_model 64, 4 heads, d_ff 128, 2+2 layers, ReLU feed-forward (the conformance model)
   t5-gated  the same with gated-GELU (T5 v1.1 / Flan-T5)
   vit       hidden 64, 4 heads, 2 layers, 48x48 images in 4x4 patches, random pixels
+  vit-257   the same on 64x64 images (256 patches + [CLS]); vit-257-h192: hidden 192, 3 heads
 ``--smollm2 TSV``: also the real SmolLM2-135M-Instruct (the decoder suite's model) on real text,
 causal-LM loss, the policies of REAL_POLICIES, first seed only.
 Each row: policy (changes from the default), min cosine over seeds, bytes ratio baseline/division.
@@ -17,6 +18,7 @@ Each row: policy (changes from the default), min cosine over seeds, bytes ratio 
 from __future__ import annotations
 
 import argparse
+import statistics
 
 from ..config import DivisionConfig
 from ..textdata import causal_lm_batch
@@ -34,6 +36,7 @@ POLICIES = {
     "all 8-bit": dict(linear_bits=8, attention_bits=8, activation_bits=8, norm_bits=8),
     "attention+activation 8": dict(ALL4, attention_bits=8, activation_bits=8),  # decoders' and T5's default
     "no LFC (block 1)": dict(ALL4, block_size=1),
+    "[CLS] compressed": dict(exact_tokens=0),  # ViT's default keeps it exact
     # one kind compressed (4-bit), the others kept as they are: which kind carries the error
     **{f"only {kind}": {**{f"{k}_bits": 0 for k in ("linear", "attention", "activation", "norm")}, f"{kind}_bits": 4}
        for kind in ("linear", "attention", "activation", "norm")},
@@ -51,12 +54,27 @@ def run(label, model, batch, names, seeds):
         print(f"{label:<9} {name:<32} {m.cos_min:>8.4f} {m.memory.ratio:>6.1f}", flush=True)
 
 
+def run_seeds(family: str, model_seeds, names, seeds):
+    """Like :func:`run` over several random-init models: min and median cosine over all of them."""
+    if len(model_seeds) == 1:
+        model, batch = family_model(family, model_seeds[0])
+        return run(family, model, batch, names, seeds)
+    built = [family_model(family, s) for s in model_seeds]
+    for name in names:
+        found = [measure_config(m, b, DivisionConfig(**POLICIES[name]), seeds) for m, b in built]
+        cos = sorted(c for f in found for c in f.cosines)
+        print(f"{family:<9} {name:<32} {cos[0]:>8.4f} {found[0].memory.ratio:>6.1f}  median {statistics.median(cos):.4f} "
+              f"over {len(model_seeds)} models x {len(seeds)} seeds", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m hf_division.suites family", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", nargs="*", default=list(FAMILIES))
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), help="names from POLICIES")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--model-seeds", type=int, nargs="+", default=[0],
+                    help="random-init weights per family; the row's min and median are over models x seeds")
     ap.add_argument("--smollm2", metavar="TSV", help="also run the real SmolLM2-135M on this GLUE TSV")
     ap.add_argument("--smollm2-batch", type=int, default=4, help="rows of 128 tokens for SmolLM2")
     args = ap.parse_args(argv)
@@ -66,8 +84,7 @@ def main(argv=None):
         raise ValueError(f"--policies: unknown {unknown}; known: {list(POLICIES)}")
     print(f"{'family':<9} {'policy':<32} {'cos min':>8} {'ratio':>6}")
     for name in args.families:
-        model, batch = family_model(name)
-        run(name, model, batch, args.policies, tuple(args.seeds))
+        run_seeds(name, args.model_seeds, args.policies, tuple(args.seeds))
     if args.smollm2:
         tok, model = load_smollm2("sdpa")
         batch = causal_lm_batch(args.smollm2, tok, args.smollm2_batch, 128)
