@@ -13,6 +13,7 @@ import functools
 import types
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -22,6 +23,7 @@ from .config import DivisionConfig
 from .lm_loss import causal_lm_loss, tag_logits
 from .noise import model_stream
 from .ops import BitDropout, CheckpointFn, GatedFn, LinearFn, RecomputeFn
+from .saved import compressed_saves
 from .store import active
 
 
@@ -135,6 +137,26 @@ def patch_gated_mlp(state: PatchState, mlp: nn.Module, up_first: bool = False) -
     wrap_forward(state, mlp, make)
 
 
+def patch_saved(state: PatchState, module: nn.Module, kind: str) -> None:
+    """``module``'s forward, in training, keeps what autograd saves inside it compressed as
+    ``kind`` (:func:`~hf_division.saved.compressed_saves`): for code the dedicated ops do not
+    cover, e.g. mixture-of-experts blocks whose experts are 3-D parameters, whatever
+    ``experts_implementation`` dispatches to, or attention computed inline. Submodules patched
+    by the other primitives keep their own ops."""
+    config = config_for(state, module)
+
+    def make(orig):
+        def forward(self, *args, **kwargs):
+            if not (in_training(self) and config.bits(kind)):
+                return orig(*args, **kwargs)
+            with compressed_saves(config, kind):
+                return orig(*args, **kwargs)
+
+        return forward
+
+    wrap_forward(state, module, make)
+
+
 def gated_product(act, up_first: bool, config: DivisionConfig, gate, up):
     """``act(gate) * up`` (``up * act(gate)`` with ``up_first``) keeping only ``gate`` and ``up``,
     compressed, for backward; the product (what the down projection saves) is derived from them.
@@ -177,7 +199,13 @@ def patch_checkpointing(state: PatchState, model: nn.Module) -> None:
         def forward(self, *args, **kwargs):
             if getattr(self, "gradient_checkpointing", False) and in_training(self):
                 inner = type(self).forward.__wrapped__  # the layer's forward without checkpointing
-                return CheckpointFn.apply(functools.partial(inner, self, **kwargs), config, *args)
+                # keyword tensors that need a gradient (DeBERTa's ``rel_embeddings``, one LayerNorm
+                # output shared by every layer) become inputs: captured, each layer's backward would
+                # run through their graph again and find it freed
+                names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
+                run = functools.partial(_call_split, inner, self, len(args), names,
+                                        {k: v for k, v in kwargs.items() if k not in names})
+                return CheckpointFn.apply(run, config, *args, *(kwargs[k] for k in names))
             return orig(*args, **kwargs)
 
         return forward
@@ -185,6 +213,11 @@ def patch_checkpointing(state: PatchState, model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, GradientCheckpointingLayer):
             wrap_forward(state, module, functools.partial(make, config=config_for(state, module)))
+
+
+def _call_split(fn, module, n_args: int, names: list, kwargs: dict, *inputs):
+    """``fn(module, *inputs[:n_args], **kwargs, **{names: the rest of inputs})``."""
+    return fn(module, *inputs[:n_args], **kwargs, **dict(zip(names, inputs[n_args:])))
 
 
 #: the LM head's input is kept exact: the fused loss recomputes the logits from it

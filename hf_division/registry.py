@@ -10,6 +10,7 @@ and :mod:`hf_division.api` looks the family up when patching. A family's ``defau
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Mapping
@@ -68,3 +69,14 @@ def family_defaults(model_type: str | None) -> Mapping:
 def supported_model_types() -> list[str]:
     """Model types with a registered patcher, sorted."""
     return sorted(_FAMILIES)
+
+
+@contextlib.contextmanager
+def unregistered(*model_types: str):
+    """Hide the families of ``model_types`` inside the block, e.g. to measure what the generic
+    fallback does on a type that has its own patcher."""
+    hidden = {t: _FAMILIES.pop(t) for t in model_types if t in _FAMILIES}
+    try:
+        yield
+    finally:
+        _FAMILIES.update(hidden)

@@ -116,6 +116,11 @@ def active() -> bool:
     return torch.is_grad_enabled() and not _recomputing[0]
 
 
+def in_recomputation() -> bool:
+    """Whether a checkpoint's backward recomputation (or :func:`exact`) is running."""
+    return bool(_recomputing[0])
+
+
 @contextlib.contextmanager
 def recomputing():
     _recomputing[0] += 1

@@ -5,7 +5,9 @@ Adding an architecture = one small module here that calls ``register(model_type,
 on its patcher, plus its import below; it is supported once it passes
 ``tests/test_conformance.py`` (parametrized over the registry).
 """
-from . import bert, distilbert, gemma, gemma2, generic, gpt2, llama, mistral, opt, phi3, qwen2, qwen3, t5, vit
+from . import (bart, bert, clip, deberta_v2, distilbert, falcon, gemma, gemma2, gemma3, generic, gpt2, gpt_neox, llama,
+               mistral, mixtral, modernbert, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, t5, vit, whisper)
 
-__all__ = ["bert", "distilbert", "gemma", "gemma2", "generic", "gpt2", "llama", "mistral", "opt", "phi3", "qwen2",
-           "qwen3", "t5", "vit"]
+__all__ = ["bart", "bert", "clip", "deberta_v2", "distilbert", "falcon", "gemma", "gemma2", "gemma3", "generic", "gpt2",
+           "gpt_neox", "llama", "mistral", "mixtral", "modernbert", "opt", "phi", "phi3", "qwen2", "qwen2_moe", "qwen3",
+           "qwen3_moe", "t5", "vit", "whisper"]

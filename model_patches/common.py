@@ -1,8 +1,10 @@
 """Pieces the architecture patchers share: patcher factories and the measured family defaults."""
+import functools
+
 from torch import nn
 from transformers.activations import ACT2CLS
 
-from hf_division.patching import patch_gated_mlp, patch_modules, use_attention_interface
+from hf_division.patching import patch_gated_mlp, patch_modules, patch_saved, use_attention_interface
 
 #: activation modules Transformers builds from ``config.hidden_act``
 ACTIVATIONS = tuple({cls if isinstance(cls, type) else cls[0] for cls in ACT2CLS.values()})
@@ -35,13 +37,35 @@ def encoder_patcher(norm_types=(nn.LayerNorm,), conv1d_types=()):
     return apply
 
 
-def gated_decoder_patcher(norm_type, mlp_type, up_first=False):
-    """Patcher for Llama-style decoders: ``norm_type`` (RMSNorm variants) and gated ``mlp_type``."""
+def with_patches(base, *pairs):
+    """Patcher: ``patch(state, module)`` on every module of each ``(module type, patch)`` pair,
+    then ``base`` (the shared wiring: modules a family patches itself keep that patch)."""
 
     def apply(model, state):
         for module in model.modules():
-            if isinstance(module, mlp_type):
-                patch_gated_mlp(state, module, up_first)
-        encoder_patcher(norm_types=(nn.LayerNorm, norm_type))(model, state)
+            for module_type, patch in pairs:
+                if isinstance(module, module_type):
+                    patch(state, module)
+        base(model, state)
 
     return apply
+
+
+def gated_decoder_patcher(norm_type, mlp_type, up_first=False):
+    """Patcher for Llama-style decoders: ``norm_type`` (RMSNorm variants) and gated ``mlp_type``."""
+
+    return with_patches(encoder_patcher(norm_types=(nn.LayerNorm, norm_type)),
+                        (mlp_type, functools.partial(patch_gated_mlp, up_first=up_first)))
+
+
+def moe_patcher(norm_type, mlp_type, experts_type, router_type):
+    """Patcher for mixture-of-experts decoders (Mixtral, Qwen-MoE): a Llama-style decoder whose
+    MLP is a router plus experts stored as 3-D parameters. The experts index their weights and
+    gather their tokens instead of calling ``nn.Linear``, and Transformers dispatches them to one
+    of several kernels (``experts_implementation``), so what they save is caught where autograd
+    saves it (:func:`~hf_division.patching.patch_saved`), kernel-agnostic. Their gate/up/product
+    tensors take the gated-MLP policy (``activation``); the router's input is a linear input."""
+
+    return with_patches(gated_decoder_patcher(norm_type, mlp_type),
+                        (experts_type, functools.partial(patch_saved, kind="activation")),
+                        (router_type, functools.partial(patch_saved, kind="linear")))

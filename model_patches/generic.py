@@ -4,16 +4,25 @@ Finds what the dedicated patchers state by hand: norm classes (a leaf module who
 contains "Norm"), gated MLPs (``gate_proj``/``up_proj``/``down_proj`` + ``act_fn``), GPT-2 style
 ``Conv1D``, and uses the attention interface only if the model's modeling file dispatches through
 it. Token axis: the second-to-last dim, as for every patcher.
+
+What those cannot reach keeps its saved tensors compressed where autograd saves them
+(:func:`~hf_division.patching.patch_saved`): attention modules of a model that computes attention
+inline (DeBERTa, Falcon), mixture-of-experts blocks (experts held as 3-D parameters), MLPs that
+are not the standard gated one (ModernBERT's fused ``Wi``), and modules that run a convolution
+front inline (Whisper's encoder). Dedicated patchers do better where they know the op (docs/ARCHITECTURES.md,
+"Generic fallback").
 """
 import sys
 
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from hf_division.patching import patch_gated_mlp, patch_modules, use_attention_interface
+from hf_division.patching import patch_gated_mlp, patch_modules, patch_saved, use_attention_interface
 from hf_division.registry import register_fallback
 
 from .common import ACTIVATIONS
+
+_CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -28,12 +37,31 @@ def _uses_attention_interface(model: nn.Module) -> bool:
     return any(hasattr(sys.modules[type(m).__module__], "ALL_ATTENTION_FUNCTIONS") for m in model.modules())
 
 
+def _saved_kind(module: nn.Module, inline_attention: bool) -> str | None:
+    """The kind to keep ``module``'s own saves as, or None where the shared wiring covers it."""
+    name = type(module).__name__
+    if "Moe" in name or "MoE" in name or "Experts" in name:
+        return "activation"
+    if name.endswith("Attention") and inline_attention:
+        return "attention"
+    if "MLP" in name and not _is_gated_mlp(module):
+        return "activation"
+    if any(isinstance(child, _CONVS) for child in module.children()) and not isinstance(module, _CONVS):
+        return "activation"  # a convolution front run inline (Whisper's encoder)
+    return None
+
+
 @register_fallback
 def apply_division_generic(model, state):
+    inline_attention = not _uses_attention_interface(model)
     for module in model.modules():
         if _is_gated_mlp(module):
             patch_gated_mlp(state, module)
+    for module in model.modules():
+        kind = _saved_kind(module, inline_attention)
+        if kind is not None:
+            patch_saved(state, module, kind)
     norms = tuple({type(m) for m in model.modules() if _is_norm(m)} | {nn.LayerNorm})
     patch_modules(state, model, norm_types=norms, activation_types=ACTIVATIONS, conv1d_types=(Conv1D,))
-    if _uses_attention_interface(model):  # otherwise the model's own attention keeps its tensors
+    if not inline_attention:
         use_attention_interface(state, model)

@@ -15,7 +15,7 @@ from transformers.models.t5.modeling_t5 import T5DenseGatedActDense, T5LayerNorm
 from hf_division.patching import config_for, gated_product, in_training, unpatched_forward, wrap_forward
 from hf_division.registry import register
 
-from .common import DECODER_DEFAULTS, encoder_patcher
+from .common import DECODER_DEFAULTS, encoder_patcher, with_patches
 
 
 def _patch_gated_ff(state, ff: T5DenseGatedActDense) -> None:
@@ -37,9 +37,6 @@ def _patch_gated_ff(state, ff: T5DenseGatedActDense) -> None:
     wrap_forward(state, ff, make)
 
 
-@register("t5", defaults=DECODER_DEFAULTS)
-def apply_division_to_t5(model, state):
-    for module in model.modules():
-        if isinstance(module, T5DenseGatedActDense):
-            _patch_gated_ff(state, module)
-    encoder_patcher(norm_types=(T5LayerNorm,))(model, state)
+apply_division_to_t5 = register("t5", defaults=DECODER_DEFAULTS)(
+    with_patches(encoder_patcher(norm_types=(T5LayerNorm,)), (T5DenseGatedActDense, _patch_gated_ff))
+)

@@ -11,7 +11,8 @@ from conftest import tiny_batch, tiny_model
 
 
 @pytest.mark.parametrize("every_n_layers", [1, 2])
-@pytest.mark.parametrize("model_type", ["bert", "llama"])
+#: deberta-v2 (DeBERTa-v3 settings) passes a LayerNorm output shared by every layer as a keyword
+@pytest.mark.parametrize("model_type", ["bert", "llama", "deberta-v2"])
 def test_division_with_checkpointing(model_type, every_n_layers):
     batch = tiny_batch(batch=4, seq=128)
     model = tiny_model(model_type, "eager").train()

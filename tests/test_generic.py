@@ -6,10 +6,12 @@ from transformers import AutoConfig, AutoModelForSequenceClassification
 import hf_division as hd
 from hf_division.fidelity import gradient_cosine
 
-from conftest import tiny_batch
+from hf_division.registry import unregistered
+
+from conftest import tiny_batch, tiny_model
 
 UNREGISTERED = {
-    "gpt_neox": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128),
+    "olmo": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128),
     "stablelm": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128),
 }
 
@@ -36,3 +38,27 @@ def test_generic_fallback(model_type, impl):
     with pytest.warns(UserWarning):
         assert min(gradient_cosine(model, batch, fallback, seeds=(0,))) >= 0.98
         assert hd.measure_activation_memory(model, batch, fallback).ratio >= 4
+
+
+#: types people fine-tune whose modules the generic rules must reach without their patcher: inline
+#: attention (deberta-v2, falcon), fused GLU (modernbert), conv front (whisper), experts (MoE)
+LISTED = ["deberta-v2", "modernbert", "bart", "mbart", "whisper", "clip", "siglip", "gemma3_text", "qwen3_moe",
+          "mixtral", "gpt_neox", "falcon", "phi"]
+
+
+@pytest.mark.parametrize("model_type", LISTED)
+def test_generic_fallback_on_listed_types(model_type):
+    impl = "eager" if model_type == "deberta-v2" else "sdpa"  # sdpa holds fewer baseline bytes: the harder case
+    model = tiny_model(model_type, impl).train()
+    batch = tiny_batch(batch=4, seq=128, model_type=model_type)
+    fallback = hd.DivisionConfig(generic_fallback=True)
+    torch.manual_seed(0)
+    ref = model(**batch).logits
+    with unregistered(model_type), pytest.warns(UserWarning, match="generic fallback"):
+        hd.apply_division(model, fallback)
+        torch.manual_seed(0)
+        assert torch.equal(model(**batch).logits, ref)
+        hd.remove_division(model)
+        assert min(gradient_cosine(model, batch, fallback, seeds=(0,))) >= 0.98
+        assert hd.measure_activation_memory(model, batch, fallback).ratio >= 4
+    assert model_type in hd.supported_model_types()  # the family is back after the block

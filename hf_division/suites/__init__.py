@@ -23,6 +23,7 @@ SUITES = {
     "trl-sft": ".sft",
     "long-context": ".long_context",
     "cuda": ".cuda",
+    "architectures": ".architectures",
 }
 
 

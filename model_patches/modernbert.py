@@ -1,0 +1,34 @@
+"""ModernBERT: pre-LN encoder with rotary attention through the attention interface (global and
+local layers) and a GLU MLP whose gate and input come from one fused projection ``Wi``.
+
+The fused MLP is ``Wo(drop(act(a) * g))`` with ``a, g = Wi(x).chunk(2)``: as a plain module tree
+it would keep ``a``, ``act(a)`` and ``g`` whole (the multiply saves both operands). Here the two
+halves are kept compressed once and the product derived from them, as for Llama's gated MLP.
+"""
+from transformers.models.modernbert.modeling_modernbert import ModernBertMLP
+
+from hf_division.patching import config_for, gated_product, in_training, unpatched_forward, wrap_forward
+from hf_division.registry import register
+
+from .common import ENCODER_DEFAULTS, encoder_patcher, with_patches
+
+
+def _patch_glu(state, mlp: ModernBertMLP) -> None:
+    config = config_for(state, mlp)
+    act_forward = unpatched_forward(mlp.act)  # recomputed in backward
+
+    def make(orig):
+        def forward(self, hidden_states):
+            if not (in_training(self) and config.bits("activation")):
+                return orig(hidden_states)
+            a, g = self.Wi(hidden_states).chunk(2, dim=-1)
+            return self.Wo(self.drop(gated_product(act_forward, False, config, a, g)))
+
+        return forward
+
+    wrap_forward(state, mlp, make)
+
+
+apply_division_to_modernbert = register("modernbert", defaults=ENCODER_DEFAULTS)(
+    with_patches(encoder_patcher(), (ModernBertMLP, _patch_glu))
+)
