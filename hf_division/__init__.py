@@ -4,6 +4,7 @@ import importlib
 from .config import DivisionConfig
 from .measure import measure_activation_memory
 from .api import apply_division, remove_division, supported_model_types
+from .budget import suggest
 from .store import exact
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "exact",
     "supported_model_types",
     "measure_activation_memory",
+    "suggest",
     "TrainingArguments",
     "Trainer",
 ]

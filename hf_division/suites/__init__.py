@@ -24,6 +24,7 @@ SUITES = {
     "long-context": ".long_context",
     "cuda": ".cuda",
     "architectures": ".architectures",
+    "budget": ".budget",
 }
 
 
