@@ -16,9 +16,9 @@ def batch():
     return classification_batch(minilm_tokenizer(), sst2_rows(BUNDLED_SST2_DEV), 32, 128)
 
 
-@pytest.mark.parametrize("impl", ["eager", "sdpa"])
-def test_minilm_default_policy(batch, impl):
-    model = build_classifier("minilm", impl)
+def test_minilm_default_policy(batch):
+    # sdpa, what the scripts and the benchmark run; eager is covered per type by the conformance suite
+    model = build_classifier("minilm", "sdpa")
     cos = gradient_cosine(model, batch, seeds=(0, 1, 2))
     assert min(cos) >= 0.98, cos
     mem = hd.measure_activation_memory(model, batch)

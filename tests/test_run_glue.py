@@ -163,8 +163,8 @@ if __name__ == "__main__":
 '''
 
 
-@pytest.mark.parametrize("entry", [["-m", "hf_division.run"], ["-m", "hf_division.cli", "run"]])
-def test_unmodified_script_runs_with_division(entry, tiny_bert_dir, tmp_path):
+def test_unmodified_script_runs_with_division(tiny_bert_dir, tmp_path):
+    entry = ["-m", "hf_division.cli", "run"]  # ``hf-division run``, which calls ``python -m hf_division.run``
     script = tmp_path / "example.py"
     script.write_text(EXAMPLE)
     (tmp_path / "model").symlink_to(tiny_bert_dir)
@@ -188,3 +188,36 @@ def test_run_without_division_flag_leaves_model_alone(tiny_bert_dir, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((out / "seen.json").read_text())["patched"] is False
+
+
+def _save_tiny(model_type: str, path, tok) -> str:
+    """A 2-layer random-init ``model_type`` encoder with the MiniLM tokenizer, saved like a hub model."""
+    from transformers import AutoConfig, AutoModel
+
+    special = dict(pad_token_id=tok.pad_token_id, cls_token_id=tok.cls_token_id, sep_token_id=tok.sep_token_id,
+                   bos_token_id=tok.cls_token_id, eos_token_id=tok.sep_token_id)
+    cfg = AutoConfig.for_model(model_type, vocab_size=tok.vocab_size, hidden_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, intermediate_size=128, max_position_embeddings=128, **special)
+    torch.manual_seed(0)
+    AutoModel.from_config(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("model_type", ["deberta-v2", "modernbert"])
+def test_run_glue_pieces_with_other_encoders(model_type, tmp_path):
+    """What ``scripts/run_glue.py`` runs, on a DeBERTa-v2 and a ModernBERT checkpoint (sentence pairs:
+    ModernBERT takes no ``token_type_ids``, the Trainer drops them by the patched forward's signature)."""
+    from hf_division.api import division_config_of
+
+    tok = AutoTokenizer.from_pretrained(minilm_path())
+    model_dir = _save_tiny(model_type, tmp_path / "model", tok)
+    model_args, data_args, training_args, lora_args = parse_args(_args(model_dir, tmp_path / "out", "rte", "--division"))
+    raw, num_labels, regression = load_raw(data_args, training_args)
+    model = build_model(model_args, num_labels, regression, lora_args)
+    data, collator = tokenize_splits(raw, tok, data_args)
+    trainer = Trainer(model=model, args=training_args, train_dataset=data["train"], eval_dataset=data["validation"],
+                      data_collator=collator, compute_metrics=metrics_for(data_args.task_name, regression))
+    assert trainer.train().global_step == 2
+    assert division_config_of(model) is not None and model.config.model_type == model_type
+    assert METRIC["rte"] in trainer.evaluate()

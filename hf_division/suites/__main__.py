@@ -1,6 +1,5 @@
 """``python -m hf_division.suites SUITE [options]``."""
-import sys
-
 from hf_division.suites import main
 
-sys.exit(main())
+# a suite's ``main`` may return its rows (for callers in Python); the exit status is 0 either way
+main()
