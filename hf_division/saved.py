@@ -8,9 +8,9 @@ that computes its scores inline, a fused gated MLP) still saves tensors through 
 once per live tensor (:func:`hf_division.store.keep`), rebuilt when backward unpacks it.
 
 Kept as they are: parameters and views of them (the optimizer holds them anyway), other leaves
-(the caller's inputs), non-float tensors (indices, masks) and anything saved while the store is
-inactive (a checkpoint's recomputation; the region itself is entered only in training). What is kept raw is reported to the byte
-accounting, since an enclosing measurement hook does not see saves a nested hook takes.
+(the caller's inputs), non-float tensors (indices, masks) and anything saved during a checkpoint's
+recomputation (the region itself is entered only in training). What is kept raw is reported to
+the byte accounting, since an enclosing measurement hook does not see saves a nested hook takes.
 """
 from __future__ import annotations
 

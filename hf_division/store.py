@@ -113,7 +113,7 @@ _recomputing = [0]
 def active() -> bool:
     """Whether ops should compress what they save: training with grad, and not inside a
     checkpoint's backward recomputation (whose saved tensors are consumed at once)."""
-    return torch.is_grad_enabled() and not _recomputing[0]
+    return torch.is_grad_enabled() and not in_recomputation()
 
 
 def in_recomputation() -> bool:
