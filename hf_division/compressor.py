@@ -34,6 +34,7 @@ from .quant import (
     minmax_groups,
     noise_seed,
     outlier_tokens,
+    wrap_int32,
 )
 
 __all__ = ["Layout", "Packed", "cast_finite", "compress", "decompress", "quantize_groups", "set_fused"]
@@ -109,7 +110,7 @@ def quantize_groups(flat: torch.Tensor, seed: torch.Tensor | None, bits: int, gr
     lo32 = bf16_directed(lo, down=True)
     s32 = bf16_directed((hi - lo32) * (1.0 / levels), down=False)
     inv = torch.where(s32 > 0, 1.0 / s32, torch.zeros_like(s32))
-    base = None if seed is None else torch.arange(g.shape[0], dtype=torch.int64, device=flat.device) * group_size
+    base = None if seed is None else wrap_int32(torch.arange(g.shape[0], dtype=torch.int64, device=flat.device) * group_size)
     (packed,) = run_groups(encode_groups, g.shape[0], (flat, base, seed, lo32, inv), (group_size, 1, None, 1, 1),
                            (bits, group_size))
     return packed, lo32.to(SCALE_DTYPE), s32.to(SCALE_DTYPE)

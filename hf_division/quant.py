@@ -76,23 +76,35 @@ def uniform(words: torch.Tensor) -> torch.Tensor:
     return words.float() * (1.0 / 65536) + (32768 + 0.5) / 65536
 
 
-# odd multipliers below 2**31: products with 32-bit values stay below 2**63, so no int64 overflow
+# odd multipliers below 2**31, so Python hands them to int32 tensors as int32
 _MIX1, _MIX2 = 0x7FEB352D, 0x5BD1E995
 _LOW32 = 0xFFFFFFFF
 
 
+def wrap_int32(v: torch.Tensor) -> torch.Tensor:
+    """int64 -> int32 with the same low 32 bits (two's complement), without relying on how a
+    narrowing cast treats values beyond int32's range."""
+    return (((v & _LOW32) ^ 0x80000000) - 0x80000000).to(torch.int32)
+
+
 def hash_uniform(index: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
     """Counter-based U(0, 1) noise: float32 ``(k + 0.5) / 2**24`` from a 32-bit integer hash of
-    ``index + seed`` (int64 tensors, broadcast). Elementwise, so inside a compiled kernel it costs
-    a few integer ops per element instead of a generator draw (timed by ``python -m hf_division.suites compressor``);
-    a value is rounded up with a probability off by at most 2**-25 of its fraction."""
-    x = (index + seed) & _LOW32
-    x = x ^ (x >> 16)
-    x = (x * _MIX1) & _LOW32
-    x = x ^ (x >> 15)
-    x = (x * _MIX2) & _LOW32
-    x = x ^ (x >> 16)
-    return ((x >> 8).float() + 0.5) * (1.0 / 16777216)
+    ``index + seed`` (``index`` int32, ``seed`` a 0-d int64; the sum taken modulo 2**32). Elementwise,
+    so inside a compiled kernel it costs a few integer ops per element instead of a generator draw
+    (timed by ``python -m hf_division.suites compressor``); a value is rounded up with a probability
+    off by at most 2**-25 of its fraction.
+
+    Why int32: the hash is defined modulo 2**32, and CPUs without 64-bit vector multiplies (AVX2)
+    ran the same hash in int64 several times slower, most of the compressor's time (docs/DESIGN.md,
+    "Compressor"). Products wrap modulo 2**32 on both CPU and CUDA; right shifts are arithmetic on
+    int32, so each is masked to its logical result."""
+    x = index.to(torch.int32) + wrap_int32(seed)
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * _MIX1
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * _MIX2
+    x = x ^ ((x >> 16) & 0xFFFF)
+    return (((x >> 8) & 0xFFFFFF).float() + 0.5) * (1.0 / 16777216)
 
 
 def noise_seed(device: torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -177,7 +189,7 @@ def encode_tokens(x, seed, bits: int, block: int, group: int, lfc_dtype: torch.d
     if seed is None:
         noise = 0.5
     else:
-        noise = hash_uniform(torch.arange(n * c, dtype=torch.int64, device=x.device).view(s, group, c), seed)
+        noise = hash_uniform(torch.arange(n * c, dtype=torch.int32, device=x.device).view(s, group, c), seed)
     # y >= 0 by construction, so the truncating cast is the floor; clamp guards the top code
     q = ((h - lo.unsqueeze(1)) * inv.unsqueeze(1) + noise).clamp_(0, levels).to(torch.uint8).view(-1)
     per = 8 // bits
@@ -213,12 +225,12 @@ def minmax_groups(flat, group_size: int):
 
 def encode_groups(flat, base, seed, lo, inv, bits: int, group_size: int):
     """The elementwise part of :func:`hf_division.compressor.quantize_groups`: ``(packed,)`` codes for float32 groups.
-    ``base``: (groups,) int64 index of each group's first element (None: round to nearest)."""
+    ``base``: (groups,) int32 index of each group's first element, modulo 2**32 (None: round to nearest)."""
     g = flat.view(-1, group_size)
     if base is None:
         noise = 0.5
     else:
-        index = base.unsqueeze(1) + torch.arange(group_size, dtype=torch.int64, device=flat.device)
+        index = base.unsqueeze(1) + torch.arange(group_size, dtype=torch.int32, device=flat.device)
         noise = hash_uniform(index, seed)
     # y > 0 by construction, so the truncating cast is the floor; clamp guards the top code
     q = ((g - lo.unsqueeze(1)) * inv.unsqueeze(1) + noise).clamp_(0, (1 << bits) - 1).to(torch.uint8)

@@ -99,6 +99,31 @@ def test_rounding_noise_uniform(source):
     assert abs(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1].item()) < 0.005
 
 
+def _hash_reference(i: int, seed: int) -> float:
+    """The hash of ``hash_uniform`` on Python integers, modulo 2**32 at every step."""
+    m = 0xFFFFFFFF
+    x = (i + seed) & m
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & m
+    x ^= x >> 15
+    x = (x * 0x5BD1E995) & m
+    x ^= x >> 16
+    return ((x >> 8) + 0.5) / 2**24
+
+
+@pytest.mark.parametrize("seed", [0, 123456789, 2**31 - 1, 2**31 + 7, 2**32 - 3])
+def test_hash_uniform_int32_matches_the_32_bit_hash(seed):
+    """int32 arithmetic (wrapping products, masked arithmetic shifts) gives the hash modulo 2**32,
+    eager and compiled alike, also where ``index + seed`` passes 2**31 or 2**32."""
+    index = torch.cat([torch.arange(64), torch.arange(2**31 - 40, 2**31 + 40)]).to(torch.int64)
+    ref = torch.tensor([_hash_reference(i, seed) for i in index.tolist()], dtype=torch.float32)
+    s = torch.tensor(seed, dtype=torch.int64)
+    assert torch.equal(hash_uniform(index, s), ref)
+    small = torch.arange(64, dtype=torch.int32)
+    compiled = torch.compile(hash_uniform, dynamic=False)(small, s)
+    assert torch.equal(compiled, ref[:64])
+
+
 @pytest.mark.parametrize("shape", [(2, 1, 16), (2, 5, 16), (1, 9, 24), (3, 8, 8), (7, 40), (13,), (2, 3, 17, 10)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_shapes_and_dtypes(shape, dtype):
