@@ -33,6 +33,7 @@ from .quant import (
     encode_into,
     minmax_groups,
     noise_seed,
+    outlier_candidates,
     outlier_tokens,
     wrap_int32,
 )
@@ -84,10 +85,11 @@ class Packed:
     rows: torch.Tensor | None = None  # (k, C) outlier tokens kept exact, in the original dtype
     row_index: torch.Tensor | None = None  # (k,) int64 their index among the M*T tokens
     grouping: str = "flat"  # "tokens": groups of tokens within one channel; "flat": consecutive elements
+    row_keep: torch.Tensor | None = None  # (k,) bool: which of ``rows`` are exact (None: all); see ``static_rows``
 
     def storages(self) -> list[torch.Tensor]:
         """The tensors this object holds."""
-        own = (self.packed, self.lo, self.scale, self.lfc, self.rows, self.row_index)
+        own = (self.packed, self.lo, self.scale, self.lfc, self.rows, self.row_index, self.row_keep)
         return [t for t in own if t is not None]
 
     @property
@@ -131,6 +133,7 @@ def compress(
     outlier_ratio: float = 0.0,
     grouping: str = "tokens",
     exact_tokens: int = 0,
+    static_rows: bool | None = None,
 ) -> Packed:
     """Compress ``x`` (any float dtype, any layout) into a :class:`Packed`.
 
@@ -142,6 +145,11 @@ def compress(
     ``outlier_ratio``: if > 0, tokens whose max |x| exceeds this many times the median token's are
     stored exact and left out of the LFC and HFC (:func:`~hf_division.quant.outlier_tokens`); needs
     ``token_dim``.
+    ``static_rows``: split the exact tokens (outliers, ``exact_tokens``) at a fixed capacity, with
+    no host synchronisation: every outlier candidate's row is held, a mask says which are exact
+    (:func:`~hf_division.quant.outlier_candidates`). The rebuilt tensor is the same; the rows cost
+    up to ``1/64`` of the tokens in ``x``'s dtype. None: on every device but the CPU, where a
+    readback costs nothing (docs/DESIGN.md, "Compressor").
     """
     shape, dtype = x.shape, x.dtype
     if bits == 0:
@@ -154,24 +162,32 @@ def compress(
         x3, layout = _to_tokens(x, token_dim % x.dim())
     else:
         x3, layout = x.reshape(1, -1, 1).float(), None
-    rows = row_index = None
-    if outlier_ratio > 0 and layout is not None and x3.shape[2] > 1:
-        x3, rows, row_index = _split_outliers(x3, outlier_ratio, dtype)
-    if exact_tokens > 0 and layout is not None and grouping == "tokens":
-        if exact_tokens >= x3.shape[1]:  # every token exact: nothing to compress
-            return Packed(x, None, None, None, shape, dtype, None, 0, block_size, group_size)
-        x3, rows, row_index = _split_leading(x3, exact_tokens, dtype, rows, row_index)
+    rows = row_index = row_keep = None
+    static = x.device.type != "cpu" if static_rows is None else static_rows
+    ratio = outlier_ratio if layout is not None and x3.shape[2] > 1 else 0.0
+    lead = exact_tokens if layout is not None and grouping == "tokens" else 0
+    if lead >= x3.shape[1] > 0:  # every token exact: nothing to compress
+        return Packed(x, None, None, None, shape, dtype, None, 0, block_size, group_size)
+    if static and (ratio > 0 or lead > 0):
+        x3, rows, row_index, row_keep = _split_static(x3, ratio, lead, dtype)
+    else:
+        if ratio > 0:
+            x3, rows, row_index = _split_outliers(x3, ratio, dtype)
+        if lead > 0:
+            x3, rows, row_index = _split_leading(x3, lead, dtype, rows, row_index)
     seed = noise_seed(x.device, generator) if stochastic else None
     if layout is None or grouping == "flat":
         group = min(group_size, -(-x3.numel() // 8) * 8)  # one group at most: no padding beyond it
         packed, lo, scale = _compress_flat(x3, seed, bits, group)
-        return _no_larger(Packed(packed, lo, scale, None, shape, dtype, layout, bits, 1, group, rows, row_index, "flat"), x)
+        return _no_larger(Packed(packed, lo, scale, None, shape, dtype, layout, bits, 1, group, rows, row_index, "flat",
+                                 row_keep), x)
     block = max(1, min(block_size, x3.shape[1]))  # a row shorter than a block is one block, not padded
-    if block > 1 and lfc_dtype == torch.float16 and x3.abs().amax() > _FP16_MAX:
+    if block > 1 and lfc_dtype == torch.float16 and dtype != torch.float16 and (static or x3.abs().amax() > _FP16_MAX):
         lfc_dtype = torch.float32  # block means beyond fp16's range would store inf: widen this LFC
     group = _token_group(group_size, block, bits)
     codes, lfc, lo, scale = _compress_tokens(x3, seed, bits, block, group, lfc_dtype)
-    return _no_larger(Packed(codes, lo, scale, lfc, shape, dtype, layout, bits, block, group, rows, row_index, "tokens"), x)
+    return _no_larger(Packed(codes, lo, scale, lfc, shape, dtype, layout, bits, block, group, rows, row_index, "tokens",
+                             row_keep), x)
 
 
 def _no_larger(p: Packed, x: torch.Tensor) -> Packed:
@@ -210,6 +226,31 @@ def _split_leading(x3: torch.Tensor, k: int, dtype: torch.dtype, rows, row_index
     if row_index is None:
         return x3, new_rows, lead
     return x3, torch.cat([rows, new_rows]), torch.cat([row_index, lead])
+
+
+def _split_static(x3: torch.Tensor, ratio: float, k: int, dtype: torch.dtype):
+    """What :func:`_split_outliers` then :func:`_split_leading` do, at a fixed size: ``(x3 to
+    compress, rows, row_index, row_keep)``. Every outlier candidate's exact row is held; the
+    selected ones are zeroed in what is compressed, and ``row_keep`` marks them (a candidate that is
+    also a leading token is marked too, so both writes of that token in ``decompress`` agree)."""
+    m, t, c = x3.shape
+    flat = x3.reshape(-1, c)
+    index, keep, out = [], [], flat
+    lead = (torch.arange(m, device=x3.device)[:, None] * t + torch.arange(k, device=x3.device)).reshape(-1) if k else None
+    if ratio > 0:
+        cand, selected = outlier_candidates(x3, ratio)
+        picked = flat[cand]
+        out = flat.index_copy(0, cand, torch.where(selected[:, None], torch.zeros_like(picked), picked))
+        index.append(cand)
+        keep.append(selected if lead is None else selected | torch.isin(cand, lead))
+    if lead is not None:
+        out = out.clone() if out is flat else out  # x3 may view the input
+        out3 = out.view(m, t, c)
+        out3[:, :k] = out3[:, k : k + 1]
+        index.append(lead)
+        keep.append(torch.ones_like(lead, dtype=torch.bool))
+    row_index = torch.cat(index)
+    return out.view(m, t, c), flat[row_index].to(dtype), row_index, torch.cat(keep)
 
 
 def _compress_flat(x3: torch.Tensor, seed, bits: int, group_size: int):
@@ -270,7 +311,11 @@ def decompress(p: Packed) -> torch.Tensor:
     else:
         x = _decode_tokens(p, layout)
     if p.rows is not None:
-        x.view(-1, x.shape[-1]).index_copy_(0, p.row_index, p.rows.to(x.dtype))
+        tokens = x.view(-1, x.shape[-1])
+        rows = p.rows.to(x.dtype)
+        if p.row_keep is not None:  # held at capacity: rows not marked exact keep their rebuilt value
+            rows = torch.where(p.row_keep[:, None], rows, tokens[p.row_index])
+        tokens.index_copy_(0, p.row_index, rows)
     return cast_finite(x, p.dtype).reshape(layout.shape).permute(layout.inverse())
 
 

@@ -28,6 +28,7 @@ DEFAULT_BITS = {kind: DEFAULTS[f"{kind}_bits"] for kind in KINDS}
 PER_KIND_LAYOUT = ("attention", "activation")
 DEFAULTS.update({f"{kind}_{what}": None for kind in PER_KIND_LAYOUT for what in ("group_size", "block_size")})
 DEFAULTS["early_layers"] = 0.0
+DEFAULTS["block_size"] = 16
 DEFAULTS["exact_tokens"] = 0
 #: bits of the activation inputs in the model's first ``early_layers`` (docs/DESIGN.md, "Policy")
 EARLY_ACTIVATION_BITS = 8
@@ -74,7 +75,9 @@ class DivisionConfig:
     method: str = _field(
         "division", '"division" (LFC + HFC); "actnn" (ActNN\'s scope: Linear inputs at 2 bits in flat groups, no LFC, '
                     'dropout masks as bits, every other kind kept); "actnn-all" (every kind at 2 bits, an ablation).')
-    block_size: int = _field(16, "Tokens averaged into one LFC row (DIVISION's block).")
+    block_size: int | None = _field(
+        None, "Tokens averaged into one LFC row (DIVISION's block; 1: no LFC); unset: family default "
+              "(BERT-family encoders: 1), else 16.")
     lfc_dtype: str = _field("bfloat16", "dtype of the LFC: bfloat16, float16 or float32.")
     group_size: int = _field(256, "HFC elements sharing one min/scale pair (DIVISION: tokens of one channel); a multiple of 8.")
     rounding: str = _field("stochastic", '"stochastic" (unbiased) or "nearest" rounding of the HFC.')
@@ -113,6 +116,8 @@ class DivisionConfig:
             raise ValueError(f"DivisionConfig.rounding must be one of {_ROUNDING}, got {self.rounding!r}")
         for name in ("block_size", "group_size", "min_numel"):
             value, least = getattr(self, name), 0 if name == "min_numel" else 1
+            if value is None and name == "block_size":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 what = "a non-negative" if least == 0 else "a positive"
                 raise ValueError(f"DivisionConfig.{name} must be {what} integer, got {value!r}")
@@ -240,7 +245,9 @@ class DivisionConfig:
 
     @property
     def effective_block_size(self) -> int:
-        return 1 if self.is_actnn else self.block_size
+        if self.is_actnn:
+            return 1
+        return DEFAULTS["block_size"] if self.block_size is None else self.block_size
 
     @property
     def torch_lfc_dtype(self) -> torch.dtype:

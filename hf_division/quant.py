@@ -132,6 +132,15 @@ def outlier_tokens(x3: torch.Tensor, ratio: float) -> torch.Tensor | None:
     return keep if keep.numel() else None
 
 
+def outlier_candidates(x3: torch.Tensor, ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`outlier_tokens` at a fixed size, with no host synchronisation: the index of the
+    ``max(1, M*T // 64)`` tokens of largest max |x| and, for each, whether it exceeds ``ratio``
+    times the median token's (the tokens :func:`outlier_tokens` returns are exactly the selected ones)."""
+    r = torch.maximum(x3.amax(dim=2), x3.amin(dim=2).neg_()).view(-1)
+    top, index = r.topk(min(max(1, r.numel() // 64), r.numel()))
+    return index, top > ratio * r.median()
+
+
 def bf16_directed(v: torch.Tensor, down: bool) -> torch.Tensor:
     """float32 -> the nearest bf16 value (as float32) toward -inf (``down``) or +inf.
 

@@ -23,8 +23,10 @@ GATED_DECODER_DEFAULTS = {**DECODER_DEFAULTS, "activation_bits": 4, "activation_
                           "activation_block_size": 1, "early_layers": 0.4}
 #: BERT-family encoders: no token of real MiniLM's activations reaches the outlier ratio (the bytes
 #: held are the same with and without the search), and the search is one more pass over every
-#: saved tensor: skipped (docs/DESIGN.md, "Policy").
-ENCODER_DEFAULTS = {"outlier_ratio": 0.0}
+#: saved tensor: skipped. No LFC: at 4 bits the block means bought no gradient fidelity on real
+#: MiniLM and cost one bit per element, a fifth of the bytes (docs/DESIGN.md, "Policy"; docs/RESULTS.md,
+#: "Precision policy on MiniLM").
+ENCODER_DEFAULTS = {"outlier_ratio": 0.0, "block_size": 1}
 
 
 def encoder_patcher(norm_types=(nn.LayerNorm,), conv1d_types=()):

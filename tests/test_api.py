@@ -183,8 +183,10 @@ def test_unset_bits_take_the_family_default_and_explicit_bits_win():
     llama = cfg.resolved("llama")
     assert llama.attention_bits == family_defaults("llama")["attention_bits"] == 8 and llama.linear_bits == 4
     assert cfg.resolved("bert") == DivisionConfig(linear_bits=4, attention_bits=4, activation_bits=4, norm_bits=4,
-                                                  outlier_ratio=0, early_layers=0, exact_tokens=0)
+                                                  outlier_ratio=0, early_layers=0, exact_tokens=0, block_size=1)
     assert cfg.resolved("llama").outlier_ratio == cfg.effective_outlier_ratio == 16
+    assert cfg.resolved("llama").block_size == cfg.effective_block_size == 16  # decoders keep the LFC
+    assert DivisionConfig(block_size=8).resolved("bert").effective_block_size == 8
     assert cfg.resolved("vit").exact_tokens == 1 and DivisionConfig(exact_tokens=0).resolved("vit").exact_tokens == 0
     assert DivisionConfig(attention_bits=2).resolved("llama").attention_bits == 2
     assert DivisionConfig(method="actnn-all").resolved("llama").bits("attention") == 2  # capped at 2

@@ -281,3 +281,39 @@ def test_exact_tokens_kept_exact(ratio):
     rest = (y - x)[:, :, 2:]
     assert 0 < rest.norm() < 0.3 * x[:, :, 2:].norm()
     assert torch.equal(decompress(compress(x, bits=4, exact_tokens=40)), x)  # every token exact
+
+
+def _with_outliers(seed=0, shape=(3, 128, 24)):  # room for 6 outlier tokens (1 in 64)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    x[0, 0] *= 400.0  # a massive-activation token, also a leading token
+    x[1, 7, :3] = 900.0  # one more, not leading
+    x[2, 5] *= 1.5  # a candidate below the ratio
+    return x
+
+
+@pytest.mark.parametrize("exact_tokens", [0, 1, 3])
+@pytest.mark.parametrize("grouping,block", [("tokens", 1), ("tokens", 8), ("flat", 1)])
+def test_static_rows_rebuild_the_same_tensor(exact_tokens, grouping, block):
+    """The fixed-size split (the CUDA path, no host sync) rebuilds exactly what the CPU path does:
+    same tokens exact, same codes; it only holds more rows."""
+    x = _with_outliers()
+    kw = dict(bits=4, block_size=block, group_size=16, outlier_ratio=16.0, grouping=grouping, exact_tokens=exact_tokens)
+    dynamic = compress(x, generator=torch.Generator().manual_seed(1), static_rows=False, **kw)
+    static = compress(x, generator=torch.Generator().manual_seed(1), static_rows=True, **kw)
+    assert static.row_keep is not None and static.rows.shape[0] >= dynamic.rows.shape[0]
+    assert torch.equal(static.packed, dynamic.packed)
+    assert torch.equal(decompress(static), decompress(dynamic))
+    exact = decompress(static)
+    assert torch.equal(exact[0, 0], x[0, 0]) and torch.equal(exact[1, 7], x[1, 7])  # the outliers, exact
+    if exact_tokens and grouping == "tokens":  # ActNN's flat groups have no token axis to keep
+        assert torch.equal(exact[:, :exact_tokens], x[:, :exact_tokens])
+
+
+def test_static_rows_without_outliers_change_nothing():
+    x = torch.randn(2, 64, 16)
+    kw = dict(bits=4, block_size=1, group_size=16, outlier_ratio=16.0)
+    static = compress(x, generator=torch.Generator().manual_seed(1), static_rows=True, **kw)
+    dynamic = compress(x, generator=torch.Generator().manual_seed(1), static_rows=False, **kw)
+    assert dynamic.rows is None and not static.row_keep.any()
+    assert torch.equal(decompress(static), decompress(dynamic))

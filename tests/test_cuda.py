@@ -116,3 +116,21 @@ def test_suite_runs_on_device(tmp_path):
     arms = rows[0]["arms"]
     assert arms["division"]["held_mib"] < arms["none"]["held_mib"]
     assert arms["division"]["cosine"] > 0.95
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="host synchronisation is a CUDA notion")
+@pytest.mark.parametrize("exact_tokens", [0, 1])
+def test_compress_without_host_sync(exact_tokens):
+    """Outlier tokens and leading exact tokens are split at a fixed size on CUDA: compressing
+    reads nothing back to the host (``torch.cuda.set_sync_debug_mode("error")`` raises if it does)."""
+    x = torch.randn(4, 256, 64, device=DEV, dtype=torch.bfloat16)
+    x[0, 0] *= 500
+    compress(x, bits=4, block_size=1, group_size=32, outlier_ratio=16.0, exact_tokens=exact_tokens)  # compile first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        p = compress(x, bits=4, block_size=1, group_size=32, outlier_ratio=16.0, exact_tokens=exact_tokens)
+        y = decompress(p)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(y[0, 0], x[0, 0])
