@@ -123,12 +123,11 @@ def outlier_tokens(x3: torch.Tensor, ratio: float) -> torch.Tensor | None:
     a few channels) on a few tokens. Inside a block such a token dominates the LFC, and in its
     channels it sets the group ranges of every other token: one of them made a layer's weight
     gradient pure noise (docs/DESIGN.md, "Compressor"). Kept exact, they cost at most half a bit per
-    element (fp32), and nothing where there are none. Their count is data-dependent (a host sync).
+    element (fp32), and nothing where there are none. Their count is data-dependent (a host sync;
+    off the CPU ``compress`` keeps :func:`outlier_candidates` instead).
     """
-    r = torch.maximum(x3.amax(dim=2), x3.amin(dim=2).neg_()).view(-1)  # max |x| per token, no |x| copy
-    k = max(1, r.numel() // 64)
-    top, index = r.topk(min(k, r.numel()))
-    keep = index[top > ratio * r.median()]
+    index, selected = outlier_candidates(x3, ratio)
+    keep = index[selected]
     return keep if keep.numel() else None
 
 
@@ -136,7 +135,7 @@ def outlier_candidates(x3: torch.Tensor, ratio: float) -> tuple[torch.Tensor, to
     """:func:`outlier_tokens` at a fixed size, with no host synchronisation: the index of the
     ``max(1, M*T // 64)`` tokens of largest max |x| and, for each, whether it exceeds ``ratio``
     times the median token's (the tokens :func:`outlier_tokens` returns are exactly the selected ones)."""
-    r = torch.maximum(x3.amax(dim=2), x3.amin(dim=2).neg_()).view(-1)
+    r = torch.maximum(x3.amax(dim=2), x3.amin(dim=2).neg_()).view(-1)  # max |x| per token, no |x| copy
     top, index = r.topk(min(max(1, r.numel() // 64), r.numel()))
     return index, top > ratio * r.median()
 
