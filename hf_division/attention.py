@@ -16,7 +16,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 
 from .accounting import account_tensors
 from .ops import AttentionFn
-from .store import active
+from .store import active, keep_mask
 
 PREFIX = "division_"
 CONFIG_ATTR = "_division_config"  # set on each module of a patched model
@@ -48,13 +48,19 @@ def _make(impl: str):
             or kwargs.get("output_attentions")
         ):
             return orig(module, query, key, value, attention_mask, **kwargs)
-        held = [attention_mask] + [t for t in kwargs.values() if isinstance(t, torch.Tensor) and not t.requires_grad]
+        bits = keep_mask(attention_mask) if isinstance(attention_mask, torch.Tensor) else None
+        mask = [attention_mask]  # the forward reads the mask itself; backward its bits, if held so
+        held = ([] if bits is not None else mask) + [t for t in kwargs.values() if isinstance(t, torch.Tensor) and not t.requires_grad]
         account_tensors([t for t in held if isinstance(t, torch.Tensor)], "attention")
 
         def call(q, k, v, *ex):
-            return orig(module, q, k, v, attention_mask, **{**kwargs, **dict(zip(names, ex))})[0]
+            m = mask[0] if mask else bits.take()
+            return orig(module, q, k, v, m, **{**kwargs, **dict(zip(names, ex))})[0]
 
-        return AttentionFn.apply(query, key, value, call, config, *extra), None
+        out = AttentionFn.apply(query, key, value, call, config, *extra)
+        if bits is not None:
+            mask.clear()
+        return out, None
 
     division_attention.__name__ = f"{PREFIX}{impl}"
     return division_attention

@@ -204,6 +204,55 @@ def _keep_row_scaled(t: torch.Tensor, kind: str, config: DivisionConfig) -> Entr
     return lookup(t)
 
 
+def keep_mask(t: torch.Tensor, kind: str = "attention") -> Entry | None:
+    """The entry holding the attention mask ``t`` as 1 bit per element for one more consumer
+    (reused if ``t`` is already held: every layer of a forward gets the same mask), or None to hold
+    ``t`` as it is.
+
+    Why: the recomputation in backward needs the mask, which the unpatched model never keeps (its
+    softmax keeps the probabilities instead); held whole, a float ``(B, 1, T, T)`` mask outweighs a
+    layer's compressed q, k, v (docs/DESIGN.md, "Attention masks as bits"). Held as bits: a bool
+    mask, and on the CPU (where reading back the check costs nothing) a float mask whose entries
+    are 0 and one other value (Transformers' additive "blocked" value); only when the bits are
+    smaller than ``t``'s storage (a broadcast view is small already). Rebuilt exactly."""
+    entry = lookup(t)
+    if entry is None:
+        rebuild = _mask_recipe(t)
+        if rebuild is None:
+            return None
+        entry = Entry(kind, fn=rebuild, extra=[rebuild.bits])
+        register(t, entry)
+    entry.add_user()
+    return entry
+
+
+def _mask_recipe(t: torch.Tensor) -> Callable | None:
+    """A no-argument function rebuilding ``t`` from its bits (kept as its ``bits`` attribute), or
+    None if ``t`` is not such a two-valued mask or would not be smaller (:func:`keep_mask`)."""
+    if t.dtype == torch.bool:
+        attend, fill = t, None
+    elif t.is_floating_point() and t.device.type == "cpu" and t.numel():
+        fill = t.min().item()
+        attend = t == 0
+        if not bool((attend | (t == fill)).all()):  # a third value (a bias): not a mask
+            return None
+    else:
+        return None
+    if -(-t.numel() // 8) >= t.untyped_storage().nbytes():
+        return None
+    bits, n = pack_mask(attend)
+    shape, dtype, device = t.shape, t.dtype, t.device
+
+    def rebuild() -> torch.Tensor:
+        keep = unpack_mask(bits, n, shape).bool()
+        if fill is None:
+            return keep
+        return torch.full(shape, fill, dtype=dtype, device=device).masked_fill_(keep, 0.0)
+
+    rebuild.bits = bits
+    return rebuild
+
+
 def derive(t: torch.Tensor, parents: tuple, fn: Callable, extra=()) -> None:
     """Declare that ``t == fn(*parents)`` so a later consumer of ``t`` stores nothing new."""
     entry = Entry(parents[0].kind, parents=parents, fn=fn, extra=extra)
