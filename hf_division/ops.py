@@ -185,7 +185,7 @@ class DropoutFn(torch.autograd.Function):
 
     @staticmethod
     def noise(ctx) -> torch.Tensor:
-        return unpack_mask(ctx.bits, ctx.n, ctx.shape).to(ctx.dtype).div_(1 - ctx.p)
+        return unpack_mask(ctx.bits, ctx.n, ctx.shape, ctx.dtype, 1 - ctx.p)
 
     @staticmethod
     @first_order

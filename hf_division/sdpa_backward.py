@@ -85,6 +85,7 @@ def _sdpa_grads_block(q, k, v, dout, attn_mask=None, keep=None, dropout_p=0.0, i
     ds_scale = scale
     if keep is not None:  # out = (P * keep / (1 - p_drop)) @ V: the constant is folded into the products
         c = 1.0 / (1.0 - dropout_p)
+        keep = keep.to(p.dtype)  # once: two products with a uint8 mask would each convert it
         dv = torch.matmul((p * keep).transpose(-2, -1), dout).mul_(c)
         dp = torch.matmul(dout, v.transpose(-2, -1)).mul_(keep)
         ds_scale = scale * c
