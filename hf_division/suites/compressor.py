@@ -6,7 +6,8 @@ Times (median of 7) for a (32, 128, 1536) float32 tensor: compress/decompress wi
 token groups (4 bits, LFC over 16 tokens) and ActNN's flat groups (2 bits), eager and fused
 (torch.compile over cache-sized chunks); the token kernel compiled whole in one call with static
 and dynamic shapes (why chunks); and the random sources: torch.rand_like, our 16-bit noise, and
-bernoulli_ (dropout's draw).
+bernoulli_ (dropout's draw); dropout-mask bits: packing a float 0/1 draw through an integer view
+against comparing it with 0 first, unpacking by a table-row gather against a shift per bit plane.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import time
 import torch
 
 from ..compressor import compress, decompress, set_fused
-from ..quant import encode_tokens, noise_words, uniform
+from ..quant import encode_tokens, noise_words, pack_mask, uniform, unpack_bits, unpack_mask
 from .common import set_threads
 
 
@@ -58,6 +59,20 @@ def whole_tensor_times(x) -> dict:
     return rows
 
 
+def mask_times(x) -> dict:
+    """Dropout-mask bits of a draw shaped as ``x``: pack and unpack, each against the former way."""
+    draw = torch.empty_like(x).bernoulli_(0.9)
+    bits, n = pack_mask(draw)
+    return {
+        "pack_mask, float draw (integer view)": timeit(lambda: pack_mask(draw)),
+        "pack_mask(draw != 0) (float compare first)": timeit(lambda: pack_mask(draw != 0)),
+        "unpack_mask (table-row gather)": timeit(lambda: unpack_mask(bits, n, x.shape)),
+        "unpack_bits(., 1) (shift per bit plane)": timeit(lambda: unpack_bits(bits, 1)),
+        "unpack_mask to float / 0.9 (dropout noise)": timeit(lambda: unpack_mask(bits, n, x.shape, x.dtype, 0.9)),
+        "unpack_bits(., 1).to(float).div_(0.9)": timeit(lambda: unpack_bits(bits, 1)[:n].to(x.dtype).div_(0.9)),
+    }
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m hf_division.suites compressor", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -71,6 +86,7 @@ def main(argv=None):
     rows["torch.rand_like"] = timeit(lambda: torch.rand_like(x))
     rows["noise_words + uniform (16-bit)"] = timeit(lambda: uniform(noise_words(n, x.device)))
     rows["bernoulli_ (dropout draw)"] = timeit(lambda: torch.empty_like(x).bernoulli_(0.9))
+    rows.update(mask_times(x))
     print(f"tensor (32, 128, 1536) float32 = {n / 1e6:.1f} M elements, {args.threads} threads")
     print(f"{'what':<46} {'ms':>8} {'ns/element':>11}")
     for k, v in rows.items():
