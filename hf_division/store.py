@@ -229,6 +229,8 @@ def keep_mask(t: torch.Tensor, kind: str = "attention") -> Entry | None:
 def _mask_recipe(t: torch.Tensor) -> Callable | None:
     """A no-argument function rebuilding ``t`` from its bits (kept as its ``bits`` attribute), or
     None if ``t`` is not such a two-valued mask or would not be smaller (:func:`keep_mask`)."""
+    if t.requires_grad:  # a learned bias, not a mask
+        return None
     if t.dtype == torch.bool:
         attend, fill = t, None
     elif t.is_floating_point() and t.device.type == "cpu" and t.numel():

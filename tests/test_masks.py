@@ -41,6 +41,7 @@ def test_other_masks_held_as_they_are():
     assert keep_mask(bias) is None
     assert keep_mask(broadcast) is None  # its storage (2 x 16 floats) is no larger than the bits
     assert keep_mask(torch.full((2, 1, 16, 16), float("nan"))) is None
+    assert keep_mask(torch.zeros(2, 1, 16, 16, requires_grad=True)) is None
 
 
 def _grads(model, batch):

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from hf_division import suites
+from hf_division import fused, suites
 from hf_division.peak import MALLOC_ENV, forked, run_clean, step_peak
 from hf_division.timing import interleaved_medians, timed
 
@@ -60,13 +60,16 @@ def test_memory_suite(capsys):
     assert div < base / 4 and ratio == pytest.approx(base / div, rel=0.05), out
 
 
-@pytest.mark.parametrize("extra", [[], ["--profile", "--top", "3"]])
+@pytest.mark.parametrize("extra", [[], ["--profile", "--top", "3"], ["--token-chunks", "4096"]])
 def test_step_time_suite(extra, capsys):
+    chunk = fused.TOKEN_CHUNK
     suites.run("step-time", ["--batch", "2", "--seq", "16", "--rounds", "1", "--threads", "1",
                              "--division_block_size", "8", *extra])
     out = capsys.readouterr().out
-    if extra:
+    if "--profile" in extra:
         assert "self CPU ms of one step" in out and len(out.strip().splitlines()) == 2 + 3
     else:
         rows = {line.split()[0]: float(line.split()[2]) for line in out.splitlines()[2:]}
-        assert set(rows) == {"baseline", "division", "checkpointing"} and rows["baseline"] == 1.0
+        chunked = {"division@4096"} if extra else set()
+        assert fused.TOKEN_CHUNK == chunk  # restored after the run
+        assert set(rows) == {"baseline", "division", "checkpointing"} | chunked and rows["baseline"] == 1.0

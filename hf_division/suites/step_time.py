@@ -2,6 +2,7 @@
 
 python -m hf_division.suites step-time [--batch 32 --seq 128 --rounds 7] [--attn sdpa] [--division_<field> V ...]
 python -m hf_division.suites step-time --profile [--top 25]   # where the time goes: torch.profiler, per op
+python -m hf_division.suites step-time --token-chunks 1048576 4194304   # one division arm per compiled chunk size
 
 Real MiniLM-L6. Each round times one step (forward + backward) of every method in turn, so
 machine noise hits all methods alike; the report gives each method's median and its ratio to
@@ -16,6 +17,7 @@ import torch
 from transformers import HfArgumentParser
 
 from ..config import DivisionConfig
+from .. import fused
 from ..api import apply_division
 from ..timing import interleaved_medians, timed
 from ..zoo import build_classifier
@@ -35,6 +37,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="profile one step of baseline and division instead")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--token-chunks", type=int, nargs="*", default=[],
+                    help="also time division at these compiled chunk sizes (elements; hf_division.fused.TOKEN_CHUNK)")
     args, rest = ap.parse_known_args(argv)
     (dc,) = HfArgumentParser(DivisionConfig).parse_args_into_dataclasses([a.replace("--division_", "--") for a in rest])
     torch.set_num_threads(args.threads)
@@ -43,6 +47,10 @@ def main(argv=None):
     ckpt = copy.deepcopy(base)
     ckpt.activation_checkpointing_enable()
     methods["checkpointing"] = ckpt
+    chunks = {"division": fused.TOKEN_CHUNK}
+    for size in args.token_chunks:
+        chunks[f"division@{size}"] = size
+        methods[f"division@{size}"] = methods["division"]
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1000, 30000, (args.batch, args.seq), generator=g)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.zeros(args.batch, dtype=torch.long)}
@@ -51,15 +59,19 @@ def main(argv=None):
 
     def seconds(name):
         model = methods[name]
+        fused.TOKEN_CHUNK = chunks.get(name, chunks["division"])
         dt = timed(lambda: step(model, batch))
         model.zero_grad(set_to_none=True)
         return dt
 
-    med = interleaved_medians(list(methods), seconds, args.rounds)
+    try:
+        med = interleaved_medians(list(methods), seconds, args.rounds)
+    finally:
+        fused.TOKEN_CHUNK = chunks["division"]
     print(f"MiniLM-L6, batch {args.batch} x {args.seq}, attn {args.attn}, {args.rounds} interleaved rounds, {args.threads} threads")
-    print(f"{'method':<14} {'median s':>9} {'ratio':>6}")
+    print(f"{'method':<22} {'median s':>9} {'ratio':>6}")
     for k, v in med.items():
-        print(f"{k:<14} {v:>9.3f} {v / med['baseline']:>6.2f}")
+        print(f"{k:<22} {v:>9.3f} {v / med['baseline']:>6.2f}")
 
 
 
