@@ -22,4 +22,5 @@ def test_minilm_default_policy(batch):
     cos = gradient_cosine(model, batch, seeds=(0, 1, 2))
     assert min(cos) >= 0.98, cos
     mem = hd.measure_activation_memory(model, batch)
-    assert mem.ratio >= 6, mem.table()
+    # 20.2x on this batch (docs/RESULTS.md, "Precision policy on MiniLM"): no kind may be held whole or fall back to wider codes
+    assert mem.ratio >= 19.5, mem.table()
