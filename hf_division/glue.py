@@ -366,3 +366,22 @@ def tokenized_examples(args: LoopArguments, tokenizer) -> tuple[dict, GlueTask]:
         labels = torch.tensor(cols["label"][:n], dtype=torch.float32 if task.is_regression else torch.long)
         out[split] = [{**{k: v[i] for k, v in enc.items()}, "labels": labels[i]} for i in range(n)]
     return out, task
+
+
+def collated_batches(glue_dir: str, task_name: str, tokenizer, batch: int, max_length: int, count: int,
+                     seed: int = 0) -> list[dict]:
+    """``count`` training batches of ``task_name``'s train split as the Trainer feeds them with
+    ``--pad_to_max_length false``: shuffled with ``seed``, truncated to ``max_length`` tokens and
+    padded to each batch's longest sequence (``DataCollatorWithPadding``), so that the shapes vary
+    from batch to batch (cycling through the split if it holds fewer than ``count * batch`` rows)."""
+    task = get_task(task_name)
+    cols = read_split(glue_dir, task_name, "train")
+    texts = [cols[f"sentence{i + 1}"] for i in range(len(task.text_columns))]
+    enc = tokenizer(*texts, truncation=True, max_length=max_length)
+    order = torch.randperm(len(cols["label"]), generator=torch.Generator().manual_seed(seed)).tolist()
+    collate = DataCollatorWithPadding(tokenizer, return_tensors="pt")
+    out = []
+    for b in range(count):
+        rows = [order[(b * batch + i) % len(order)] for i in range(batch)]
+        out.append(collate([{**{k: v[j] for k, v in enc.items()}, "labels": cols["label"][j]} for j in rows]))
+    return out

@@ -29,10 +29,15 @@ def _sync(device: str) -> Callable[[], None]:
     return lambda: None
 
 
-def interleaved_medians(names: list[str], seconds: Callable[[str], float], rounds: int) -> dict[str, float]:
-    """``{name: median seconds}`` over ``rounds`` rounds; ``seconds(name)`` times one step of ``name``."""
+def interleaved_medians(names: list[str], seconds: Callable[[str], float], rounds: int,
+                        before_round: Callable[[int], None] | None = None) -> dict[str, float]:
+    """``{name: median seconds}`` over ``rounds`` rounds; ``seconds(name)`` times one step of ``name``.
+    ``before_round(r)``, if given, runs before round ``r`` (0: the warm-up), e.g. to give every
+    method of that round the same new batch."""
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds + 1):
+        if before_round is not None:
+            before_round(r)
         start = r % len(names)
         for name in names[start:] + names[:start]:
             dt = seconds(name)

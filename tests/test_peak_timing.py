@@ -20,6 +20,9 @@ def test_interleaved_medians_rotate_and_drop_the_warm_up_round():
 
     assert interleaved_medians(["a", "b", "c"], seconds, rounds=3) == {"a": 2, "b": 6, "c": 4}
     assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
+    log = []  # before_round runs once per round, before that round's first step
+    interleaved_medians(["a", "b"], lambda name: log.append(name) or 1.0, 1, before_round=log.append)
+    assert log == [0, "a", "b", 1, "b", "a"]
     assert 0 <= timed(lambda: None) < 1
 
 
@@ -60,7 +63,11 @@ def test_memory_suite(capsys):
     assert div < base / 4 and ratio == pytest.approx(base / div, rel=0.05), out
 
 
-@pytest.mark.parametrize("extra", [[], ["--profile", "--top", "3"], ["--token-chunks", "4096"]])
+GLUE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "glue")
+
+
+@pytest.mark.parametrize("extra", [[], ["--profile", "--top", "3"], ["--token-chunks", "4096"],
+                                   ["--glue-dir", GLUE, "--task", "mrpc"]])
 def test_step_time_suite(extra, capsys):
     chunk = fused.TOKEN_CHUNK
     suites.run("step-time", ["--batch", "2", "--seq", "16", "--rounds", "1", "--threads", "1",
@@ -70,6 +77,20 @@ def test_step_time_suite(extra, capsys):
         assert "self CPU ms of one step" in out and len(out.strip().splitlines()) == 2 + 3
     else:
         rows = {line.split()[0]: float(line.split()[2]) for line in out.splitlines()[2:]}
-        chunked = {"division@4096"} if extra else set()
+        chunked = {"division@4096"} if "--token-chunks" in extra else set()
+        if "--task" in extra:  # a new MRPC batch per round, padded to its longest row (at most --seq)
+            assert re.search(r"mrpc train batches of 2, padded per batch to \d+-16 tokens", out), out
         assert fused.TOKEN_CHUNK == chunk  # restored after the run
         assert set(rows) == {"baseline", "division", "checkpointing"} | chunked and rows["baseline"] == 1.0
+
+
+def test_step_time_suite_real_batches_vary_and_bad_task_is_named():
+    from hf_division.glue import collated_batches
+    from hf_division.zoo import minilm_tokenizer
+
+    batches = collated_batches(GLUE, "sst2", minilm_tokenizer(), 4, 64, 3)
+    lengths = [b["input_ids"].shape[1] for b in batches]
+    assert len(set(lengths)) > 1 and max(lengths) <= 64, lengths  # padded per batch, not to 64
+    assert all(b["labels"].shape == (4,) and b["attention_mask"].shape == b["input_ids"].shape for b in batches)
+    with pytest.raises(SystemExit):
+        suites.run("step-time", ["--glue-dir", GLUE, "--task", "stsb", "--rounds", "1"])

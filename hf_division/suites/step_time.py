@@ -3,10 +3,13 @@
 python -m hf_division.suites step-time [--batch 32 --seq 128 --rounds 7] [--attn sdpa] [--division_<field> V ...]
 python -m hf_division.suites step-time --profile [--top 25]   # where the time goes: torch.profiler, per op
 python -m hf_division.suites step-time --token-chunks 1048576 4194304   # one division arm per compiled chunk size
+python -m hf_division.suites step-time --glue-dir ../shared/data/glue --task mrpc   # real batches, padded per batch
 
 Real MiniLM-L6. Each round times one step (forward + backward) of every method in turn, so
 machine noise hits all methods alike; the report gives each method's median and its ratio to
-the baseline's median.
+the baseline's median. The batch is ``--batch`` random tokens x ``--seq``, or, with ``--task``,
+a new batch of that GLUE task's training rows each round, padded to its longest sequence (at most
+``--seq``) as the Trainer's collator pads them: shapes vary from step to step, as in a real run.
 """
 from __future__ import annotations
 
@@ -18,9 +21,10 @@ from transformers import HfArgumentParser
 
 from ..config import DivisionConfig
 from .. import fused
+from ..glue import collated_batches, get_task
 from ..api import apply_division
 from ..timing import interleaved_medians, timed
-from ..zoo import build_classifier
+from ..zoo import build_classifier, minilm_tokenizer
 
 
 def step(model, batch) -> None:
@@ -39,7 +43,11 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--token-chunks", type=int, nargs="*", default=[],
                     help="also time division at these compiled chunk sizes (elements; hf_division.fused.TOKEN_CHUNK)")
+    ap.add_argument("--glue-dir", help="GLUE folder (with --task)")
+    ap.add_argument("--task", help="time real batches of this two-label GLUE task's train split (needs --glue-dir)")
     args, rest = ap.parse_known_args(argv)
+    if args.task and (not args.glue_dir or get_task(args.task).num_labels != 2):
+        ap.error(f"--task {args.task}: needs --glue-dir and a two-label task (the classifier has two labels)")
     (dc,) = HfArgumentParser(DivisionConfig).parse_args_into_dataclasses([a.replace("--division_", "--") for a in rest])
     torch.set_num_threads(args.threads)
     base = build_classifier("minilm", args.attn)
@@ -51,28 +59,47 @@ def main(argv=None):
     for size in args.token_chunks:
         chunks[f"division@{size}"] = size
         methods[f"division@{size}"] = methods["division"]
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1000, 30000, (args.batch, args.seq), generator=g)
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.zeros(args.batch, dtype=torch.long)}
+    batches = real_batches(args) if args.task else [random_batch(args.batch, args.seq)]
     if args.profile:
-        return profile(methods, batch, args.top)
+        return profile(methods, batches[0], args.top)
+    current = {"batch": batches[0]}
 
     def seconds(name):
-        model = methods[name]
+        model, batch = methods[name], current["batch"]
         fused.TOKEN_CHUNK = chunks.get(name, chunks["division"])
         dt = timed(lambda: step(model, batch))
         model.zero_grad(set_to_none=True)
         return dt
 
     try:
-        med = interleaved_medians(list(methods), seconds, args.rounds)
+        med = interleaved_medians(list(methods), seconds, args.rounds,
+                                  before_round=lambda r: current.update(batch=batches[r % len(batches)]))
     finally:
         fused.TOKEN_CHUNK = chunks["division"]
-    print(f"MiniLM-L6, batch {args.batch} x {args.seq}, attn {args.attn}, {args.rounds} interleaved rounds, {args.threads} threads")
+    print(f"MiniLM-L6, {describe(args, batches)}, attn {args.attn}, {args.rounds} interleaved rounds, {args.threads} threads")
     print(f"{'method':<22} {'median s':>9} {'ratio':>6}")
     for k, v in med.items():
         print(f"{k:<22} {v:>9.3f} {v / med['baseline']:>6.2f}")
 
+
+
+def random_batch(batch: int, seq: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, 30000, (batch, seq), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.zeros(batch, dtype=torch.long)}
+
+
+def real_batches(args) -> list[dict]:
+    """One batch per round (the warm-up round included) of ``args.task``'s training rows."""
+    return collated_batches(args.glue_dir, args.task, minilm_tokenizer(), args.batch, args.seq, args.rounds + 1)
+
+
+def describe(args, batches) -> str:
+    if not args.task:
+        return f"batch {args.batch} x {args.seq}"
+    lengths = sorted(b["input_ids"].shape[1] for b in batches[1:] or batches)
+    return (f"{args.task} train batches of {args.batch}, padded per batch to {lengths[0]}-{lengths[-1]} tokens "
+            f"(median {lengths[len(lengths) // 2]}, at most {args.seq})")
 
 
 def profile(methods, batch, top):
