@@ -1,10 +1,15 @@
+import os
+
 import pytest
 import torch
 
 from hf_division import tiny
 from hf_division.tiny import case, pixel_batch, tiny_batch, tiny_config  # noqa: F401  (the tests' shared helpers)
 
-torch.set_num_threads(2)
+# The README's test command runs one pytest-xdist worker per core: each worker gets its share of
+# the cores, so workers do not oversubscribe them (a lone run keeps the 2 threads it always had)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS) if _WORKERS else 2)
 
 ENCODER_TYPES = ["bert", "roberta", "xlm-roberta", "electra", "distilbert"]
 
