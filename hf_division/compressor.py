@@ -23,10 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .fused import run_groups, run_tokens, set_fused, token_chunks
+from .fused import run_groups, run_tokens, set_fused, token_chunks, tune
 from .quant import (
     SCALE_DTYPE,
     bf16_directed,
+    code_layout,
     decode_into,
     dequantize_tuple,
     encode_groups,
@@ -37,6 +38,11 @@ from .quant import (
     outlier_tokens,
     wrap_int32,
 )
+
+# The codes are read once per code of a word (8 times at 4 bits), above inductor's default of 4
+# reads, beyond which it writes them out as int32 and packs them in a second loop (docs/DESIGN.md,
+# "Compressor"). The flat kernels are slower with it: only this one gets it.
+tune(encode_into, realize_reads_threshold=64)
 
 __all__ = ["Layout", "Packed", "cast_finite", "compress", "decompress", "quantize_groups", "set_fused"]
 
@@ -72,7 +78,7 @@ class Layout:
 class Packed:
     """A compressed tensor: one bundle of what it holds. ``nbytes`` is exact (the storages held)."""
 
-    packed: torch.Tensor  # uint8, ceil(N / (8 / bits)) bytes; raw tensor when ``bits == 0``
+    packed: torch.Tensor  # uint8 codes, about N * bits / 8 bytes (quant.code_layout); raw tensor when ``bits == 0``
     lo: torch.Tensor | None  # bf16 group minimum: (n_groups,) flat, (ceil(M*Tp / group), C) tokens
     scale: torch.Tensor | None  # bf16 group step, shaped as ``lo``
     lfc: torch.Tensor | None  # (M * ceil(T / block), C) in the LFC dtype
@@ -269,22 +275,43 @@ def _compress_tokens(x3: torch.Tensor, seed, bits: int, block: int, group: int, 
         x3 = torch.cat([x3, x3[:, -1:].expand(m, pad, c)], dim=1)
     tokens = x3.reshape(-1, c)
     n_full, rest = divmod(tokens.shape[0], group)
-    code_bytes = group * c * bits // 8
-    codes = torch.empty(n_full * code_bytes + -(-rest * c * bits // 8), dtype=torch.uint8, device=x3.device)
-    lo = torch.empty(n_full + (rest > 0), c, dtype=SCALE_DTYPE, device=x3.device)
+    dev = x3.device
+    codes = torch.empty(_code_bytes(n_full, group, bits, c) + _code_bytes(rest > 0, rest, bits, c), dtype=torch.uint8,
+                        device=dev)
+    full, last = _code_views(codes, n_full, rest, group, bits, c)
+    lo = torch.empty(n_full + (rest > 0), c, dtype=SCALE_DTYPE, device=dev)
     scale = torch.empty_like(lo)
-    lfc = torch.empty(tokens.shape[0] // block, c, dtype=lfc_dtype, device=x3.device) if block > 1 else None
+    lfc = torch.empty(tokens.shape[0] // block, c, dtype=lfc_dtype, device=dev) if block > 1 else None
 
-    def args_of(start, groups):
+    def args_of(start, groups, words=None):
         stop = start + groups
-        return (codes[start * code_bytes : stop * code_bytes], None if lfc is None else lfc[start * group // block : stop * group // block],
+        return (full[start:stop] if words is None else words,
+                None if lfc is None else lfc[start * group // block : stop * group // block],
                 lo[start:stop], scale[start:stop], tokens[start * group : stop * group],
                 None if seed is None else seed + start * group * c)
 
     run_tokens(encode_into, (bits, block, group, lfc_dtype), token_chunks(n_full, c, group), args_of)
     if rest:  # a last, partial group: its own length
-        encode_into(*args_of(n_full, 1), bits, block, rest, lfc_dtype)
+        encode_into(*args_of(n_full, 1, last), bits, block, rest, lfc_dtype)
     return codes, lfc, lo, scale
+
+
+def _code_bytes(n_groups: int, group: int, bits: int, c: int) -> int:
+    """Bytes of the codes of ``n_groups`` groups of ``group`` tokens x ``c`` channels (:func:`~hf_division.quant.code_layout`)."""
+    dtype, rows = code_layout(group, bits)
+    return int(n_groups) * rows * c * dtype.itemsize
+
+
+def _code_views(codes: torch.Tensor, n_full: int, rest: int, group: int, bits: int, c: int):
+    """``codes`` (uint8, flat) as ``(the full groups' words (n_full, rows, C), the partial group's
+    (1, rows, C) or None)``, each in its :func:`~hf_division.quant.code_layout` dtype."""
+    split = _code_bytes(n_full, group, bits, c)
+    dtype, rows = code_layout(group, bits)
+    full = codes[:split].view(dtype).view(n_full, rows, c)
+    if not rest:
+        return full, None
+    dtype, rows = code_layout(rest, bits)
+    return full, codes[split:].view(dtype).view(1, rows, c)
 
 
 def _token_group(group_size: int, block: int, bits: int) -> int:
@@ -328,17 +355,17 @@ def _decode_tokens(p: Packed, layout: Layout) -> torch.Tensor:
     n_full, rest = divmod(m * tp, group)
     lo, scale = p.lo.float(), p.scale.float()
     lfc = p.lfc.float() if p.lfc is not None else None
-    code_bytes = group * c * p.bits // 8
+    full, last = _code_views(p.packed, n_full, rest, group, p.bits, c)
     out = torch.empty(m * tp, c, dtype=torch.float32, device=p.packed.device)
 
-    def args_of(start, groups):
+    def args_of(start, groups, words=None):
         stop = start + groups
-        return (out[start * group : stop * group], p.packed[start * code_bytes : stop * code_bytes],
+        return (out[start * group : stop * group], full[start:stop] if words is None else words,
                 None if lfc is None else lfc[start * group // block : stop * group // block], lo[start:stop], scale[start:stop])
 
     run_tokens(decode_into, (p.bits, block, group), token_chunks(n_full, c, group), args_of)
     if rest:
-        decode_into(*args_of(n_full, 1), p.bits, block, rest)
+        decode_into(*args_of(n_full, 1, last), p.bits, block, rest)
     x = out.view(m, tp, c)
     return x[:, :t].contiguous() if tp != t else x
 

@@ -26,6 +26,13 @@ TOKEN_CHUNK = 1 << 20
 
 _state = {"fused": True}
 _variant_ids = itertools.count()
+_options: dict = {}  # kernel -> inductor options of its own (:func:`tune`)
+
+
+def tune(kernel, **options) -> None:
+    """Compile ``kernel`` with these inductor options too (``torch.compile(options=...)``), for
+    every variant compiled from now on."""
+    _options[kernel] = {**_options.get(kernel, {}), **options}
 
 
 def set_fused(enabled: bool) -> None:
@@ -49,7 +56,7 @@ def compiled(kernel, variant: tuple):
     code = kernel.__code__.replace(co_name=f"{kernel.__name__}_v{next(_variant_ids)}")
     fn = types.FunctionType(code, kernel.__globals__, code.co_name, kernel.__defaults__, kernel.__closure__)
     # emulated casts: the LFC must be rounded to its dtype before the HFC is taken from it
-    return torch.compile(fn, dynamic=False, options={"emulate_precision_casts": True})
+    return torch.compile(fn, dynamic=False, options={"emulate_precision_casts": True, **_options.get(kernel, {})})
 
 
 def _fall_back(kernel, err: Exception) -> None:

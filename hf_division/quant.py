@@ -196,55 +196,113 @@ def round_lfc(v: torch.Tensor, dtype: torch.dtype):
     return (rounded.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16), rounded
 
 
-def encode_tokens(x, seed, bits: int, block: int, group: int, lfc_dtype: torch.dtype):
-    """Tokens ``(s * group, C)`` float32 -> ``(codes, lfc, lo, scale)``.
-
-    ``lfc``: ``(s * group / block, C)`` block means in ``lfc_dtype`` (None when ``block <= 1``);
-    ``lo``, ``scale``: ``(s, C)`` bf16, one pair per group of ``group`` tokens of one channel;
-    ``codes``: the HFC's ``bits``-bit codes in token-major order, packed. ``seed``: 0-d int64 (the
-    stream's seed plus the index of ``x``'s first element; None: round to nearest).
-
-    A group lies inside one channel, so each channel's range sets only its own groups (the
-    outlier channels of transformer residual streams cost the others nothing), and it spans whole
-    LFC blocks, so the kernel needs no index arithmetic beyond broadcasting: one fused, vectorized
-    pass over a cache-sized chunk (``group`` must be a multiple of ``block``).
-    """
+def token_stats(x, bits: int, block: int, group: int, lfc_dtype: torch.dtype):
+    """Tokens ``(s * group, C)`` float32 -> ``(lfc, lf, lo, scale, inv)``, the per-block and per-group
+    values of :func:`encode_tokens`: ``lfc`` ``(s * group / block, C)`` block means in ``lfc_dtype``
+    and ``lf`` the same values in float32 (both None when ``block <= 1``); ``lo``, ``scale`` ``(s, C)``
+    float32 holding bf16 values, ``inv`` ``1 / scale`` (0 where ``scale`` is 0)."""
     n, c = x.shape
     s = n // group
     if block > 1:
         x4 = x.view(s, group // block, block, c)
         lfc, lf = round_lfc(x4.sum(2) * (1.0 / block), lfc_dtype)
         h = (x4 - lf.unsqueeze(2)).view(s, group, c)
+        lfc, lf = lfc.view(-1, c), lf.view(-1, c)
     else:
-        lfc, h = None, x.view(s, group, c)
+        lfc = lf = None
+        h = x.view(s, group, c)
     levels = (1 << bits) - 1
     lo = bf16_directed(h.amin(1), down=True)  # every value of the group lies in [lo, lo + levels * scale]
     scale = bf16_directed((h.amax(1) - lo) * (1.0 / levels), down=False)
     inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
+    return lfc, lf, lo, scale, inv
+
+
+def code_layout(group: int, bits: int) -> tuple[torch.dtype, int]:
+    """How one group's codes are stored: ``(word dtype, rows of words)``, each row ``C`` words.
+
+    int32 words where the group fills whole words, uint8 bytes otherwise (short or partial
+    groups; the last row then holds fewer codes). Words, because inductor's CPU code shifts and
+    converts 8-bit lanes slowly (docs/DESIGN.md, "Compressor", why int32 words along tokens)."""
+    if group * bits % 32 == 0:
+        return torch.int32, group * bits // 32
+    return torch.uint8, -(-group * bits // 8)
+
+
+def quantize_tokens(x, lf, lo, inv, seed, bits: int, block: int, group: int):
+    """Tokens ``(s * group, C)`` float32 and their :func:`token_stats` -> the HFC's codes,
+    ``(s, rows, C)`` words as :func:`code_layout` says, packed along tokens (:func:`pack_tokens`).
+    ``seed``: 0-d int64 (the stream's seed plus the index of ``x``'s first element; None: round to
+    nearest); element ``i`` of ``x`` gets ``hash_uniform(i, seed)``."""
+    n, c = x.shape
+    s = n // group
+    if lf is None:
+        h = x.view(s, group, c)
+    else:
+        h = (x.view(s, group // block, block, c) - lf.view(s, group // block, 1, c)).view(s, group, c)
     if seed is None:
         noise = 0.5
     else:
         noise = hash_uniform(torch.arange(n * c, dtype=torch.int32, device=x.device).view(s, group, c), seed)
     # y >= 0 by construction, so the truncating cast is the floor; clamp guards the top code
-    q = ((h - lo.unsqueeze(1)) * inv.unsqueeze(1) + noise).clamp_(0, levels).to(torch.uint8).view(-1)
-    per = 8 // bits
-    if q.numel() % per:
-        q = torch.nn.functional.pad(q, (0, -q.numel() % per))
-    return pack_bits(q, bits), None if lfc is None else lfc.view(-1, c), lo.to(SCALE_DTYPE), scale.to(SCALE_DTYPE)
+    q = ((h - lo.unsqueeze(1)) * inv.unsqueeze(1) + noise).clamp_(0, (1 << bits) - 1).to(code_layout(group, bits)[0])
+    return pack_tokens(q.view(s, group, c), bits)
+
+
+def pack_tokens(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes ``(s, G, C)`` (values < 2**bits) in a uint8 or int32 tensor -> ``(s, R, C)`` of that
+    dtype, ``per`` codes per word (``per`` = word bits / ``bits``, ``R = ceil(G / per)``): word
+    ``(k, u, j)`` holds the codes of tokens ``u + i * R`` of channel ``j`` at bits ``i * bits``
+    (``i < per``; tokens past ``G`` are 0). Packed along tokens, not neighbouring channels, so
+    packing and unpacking are vector loops over contiguous channels (docs/DESIGN.md, "Compressor")."""
+    per = q.element_size() * 8 // bits
+    if per == 1:
+        return q
+    s, g, c = q.shape
+    if g % per:
+        q = torch.nn.functional.pad(q, (0, 0, 0, -g % per))
+    q = q.view(s, per, -1, c)
+    out = q[:, 0]
+    for i in range(1, per):  # int32: the top code's shift may reach the sign bit; unpacking masks it off
+        out = out | (q[:, i] << (bits * i))
+    return out
+
+
+def unpack_tokens(codes: torch.Tensor, bits: int, group: int) -> torch.Tensor:
+    """Inverse of :func:`pack_tokens`: ``(s, R, C)`` words -> ``(s, G, C)`` codes (same dtype)."""
+    per = codes.element_size() * 8 // bits
+    if per == 1:
+        return codes
+    s, rows, c = codes.shape
+    shifts = torch.arange(0, per * bits, bits, dtype=codes.dtype, device=codes.device)
+    q = (codes.view(s, 1, rows, c) >> shifts.view(1, per, 1, 1)) & ((1 << bits) - 1)
+    return q.view(s, per * rows, c)[:, :group]
+
+
+def encode_tokens(x, seed, bits: int, block: int, group: int, lfc_dtype: torch.dtype):
+    """Tokens ``(s * group, C)`` float32 -> ``(codes, lfc, lo, scale)``.
+
+    ``lfc``: ``(s * group / block, C)`` block means in ``lfc_dtype`` (None when ``block <= 1``);
+    ``lo``, ``scale``: ``(s, C)`` bf16, one pair per group of ``group`` tokens of one channel;
+    ``codes``: the HFC's ``bits``-bit codes packed along tokens (:func:`quantize_tokens`). ``seed``:
+    0-d int64 (the stream's seed plus the index of ``x``'s first element; None: round to nearest).
+
+    A group lies inside one channel, so each channel's range sets only its own groups (the
+    outlier channels of transformer residual streams cost the others nothing), and it spans whole
+    LFC blocks, so the kernels need no index arithmetic beyond broadcasting (``group`` must be a
+    multiple of ``block``). :func:`token_stats` then :func:`quantize_tokens`.
+    """
+    lfc, lf, lo, scale, inv = token_stats(x, bits, block, group, lfc_dtype)
+    codes = quantize_tokens(x, lf, lo, inv, seed, bits, block, group)
+    return codes, lfc, lo.to(SCALE_DTYPE), scale.to(SCALE_DTYPE)
 
 
 def decode_tokens(codes, lfc, lo, scale, bits: int, block: int, group: int):
-    """Inverse of :func:`encode_tokens` up to rounding: ``(s * group, C)`` float32.
-    ``lfc`` (or None), ``lo``, ``scale``: float32, shaped as ``encode_tokens`` returns them."""
+    """Inverse of :func:`encode_tokens` up to rounding: ``(s * group, C)`` float32. ``codes`` as
+    :func:`quantize_tokens` returns them; ``lfc`` (or None), ``lo``, ``scale``: float32, shaped as
+    ``encode_tokens`` returns them."""
     s, c = lo.shape
-    per = 8 // bits
-    if bits == 8:
-        q = codes.view(s, group, c)
-    elif c % per == 0:  # unpack along the channel axis: no index arithmetic in the kernel
-        shifts = torch.arange(0, 8, bits, device=codes.device, dtype=torch.uint8)
-        q = ((codes.view(s, group, c // per).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).view(s, group, c)
-    else:
-        q = unpack_bits(codes, bits)[: s * group * c].view(s, group, c)
+    q = unpack_tokens(codes, bits, group)
     if lfc is None:
         return torch.addcmul(lo.unsqueeze(1), q.float(), scale.unsqueeze(1)).view(-1, c)
     nb = group // block
@@ -282,7 +340,8 @@ def dequantize_groups(packed: torch.Tensor, lo: torch.Tensor, scale: torch.Tenso
 # They write into slices of preallocated outputs, so one compiled graph serves every chunk offset
 # and nothing is concatenated afterwards (docs/DESIGN.md, "Compressor").
 def encode_into(codes, lfc, lo, scale, x, seed, bits: int, block: int, group: int, lfc_dtype: torch.dtype):
-    """:func:`encode_tokens` of ``x`` written into ``codes``, ``lfc`` (None: no LFC), ``lo``, ``scale``."""
+    """:func:`encode_tokens` of ``x`` written into ``codes`` (``(s, rows, C)``, :func:`code_layout`),
+    ``lfc`` (None: no LFC), ``lo`` and ``scale``."""
     for out, value in zip((codes, lfc, lo, scale), encode_tokens(x, seed, bits, block, group, lfc_dtype)):
         if out is not None:
             out.copy_(value)

@@ -5,8 +5,8 @@ import torch
 
 from hf_division.compressor import compress, decompress, set_fused
 from hf_division.fused import compiled
-from hf_division.quant import (encode_groups, hash_uniform, noise_words, pack_bits, pack_mask, uniform, unpack_bits,
-                               unpack_mask)
+from hf_division.quant import (code_layout, encode_groups, hash_uniform, noise_words, pack_bits, pack_mask, pack_tokens,
+                               uniform, unpack_bits, unpack_mask, unpack_tokens)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
@@ -15,6 +15,33 @@ def test_pack_roundtrip(bits):
     p = pack_bits(q, bits)
     assert p.numel() == 4096 * bits // 8
     assert torch.equal(unpack_bits(p, bits), q)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("group", [256, 40, 7])
+def test_pack_tokens_roundtrip_and_layout(bits, group):
+    word, rows = code_layout(group, bits)
+    assert word == (torch.int32 if group * bits % 32 == 0 else torch.uint8)
+    q = torch.randint(0, 2**bits, (3, group, 5), dtype=torch.uint8).to(word)
+    packed = pack_tokens(q, bits)
+    assert packed.dtype == word and packed.shape == (3, rows, 5)
+    assert torch.equal(unpack_tokens(packed, bits, group), q)
+    # word (k, u, j) holds token u + i * rows of channel j at bits i * bits
+    per, mask = word.itemsize * 8 // bits, (1 << bits) - 1
+    for i in range(per):
+        for u in range(rows):
+            if u + i * rows < group:
+                assert torch.equal((packed[:, u] >> (bits * i)) & mask, q[:, u + i * rows])
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_token_codes_take_about_bits_per_element(bits):
+    # 903 tokens = 3 full groups of 256 and a partial one of 135: the partial group's codes are
+    # padded to whole bytes per channel, at most C bytes beyond the bits end to end
+    x = torch.randn(7, 129, 96)
+    p = compress(x, bits=bits, block_size=1)
+    end_to_end = -(-x.numel() * bits // 8)
+    assert end_to_end <= p.packed.numel() <= end_to_end + 96
 
 
 def _step_of_each_element(p, x):
