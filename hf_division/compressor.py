@@ -276,8 +276,7 @@ def _compress_tokens(x3: torch.Tensor, seed, bits: int, block: int, group: int, 
     tokens = x3.reshape(-1, c)
     n_full, rest = divmod(tokens.shape[0], group)
     dev = x3.device
-    codes = torch.empty(_code_bytes(n_full, group, bits, c) + _code_bytes(rest > 0, rest, bits, c), dtype=torch.uint8,
-                        device=dev)
+    codes = torch.empty(_code_bytes(n_full, group, bits, c) + _code_bytes(1, rest, bits, c), dtype=torch.uint8, device=dev)
     full, last = _code_views(codes, n_full, rest, group, bits, c)
     lo = torch.empty(n_full + (rest > 0), c, dtype=SCALE_DTYPE, device=dev)
     scale = torch.empty_like(lo)
@@ -297,9 +296,10 @@ def _compress_tokens(x3: torch.Tensor, seed, bits: int, block: int, group: int, 
 
 
 def _code_bytes(n_groups: int, group: int, bits: int, c: int) -> int:
-    """Bytes of the codes of ``n_groups`` groups of ``group`` tokens x ``c`` channels (:func:`~hf_division.quant.code_layout`)."""
+    """Bytes of the codes of ``n_groups`` groups of ``group`` tokens x ``c`` channels
+    (:func:`~hf_division.quant.code_layout`; 0 for ``group == 0``)."""
     dtype, rows = code_layout(group, bits)
-    return int(n_groups) * rows * c * dtype.itemsize
+    return n_groups * rows * c * dtype.itemsize
 
 
 def _code_views(codes: torch.Tensor, n_full: int, rest: int, group: int, bits: int, c: int):
