@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import native
 from .fused import run_groups, run_tokens, set_fused, token_chunks, tune
 from .quant import (
     SCALE_DTYPE,
@@ -270,17 +271,20 @@ def _compress_flat(x3: torch.Tensor, seed, bits: int, group_size: int):
 def _compress_tokens(x3: torch.Tensor, seed, bits: int, block: int, group: int, lfc_dtype: torch.dtype):
     """``(M, T, C)`` float32 -> ``(codes, lfc, lo, scale)`` in token groups of ``group`` tokens."""
     m, t, c = x3.shape
-    pad = -t % block
-    if pad:  # repeat the last token: the padded block's mean moves, but no group range widens
-        x3 = torch.cat([x3, x3[:, -1:].expand(m, pad, c)], dim=1)
-    tokens = x3.reshape(-1, c)
-    n_full, rest = divmod(tokens.shape[0], group)
+    n = m * (-(-t // block) * block)
+    n_full, rest = divmod(n, group)
     dev = x3.device
     codes = torch.empty(_code_bytes(n_full, group, bits, c) + _code_bytes(1, rest, bits, c), dtype=torch.uint8, device=dev)
-    full, last = _code_views(codes, n_full, rest, group, bits, c)
     lo = torch.empty(n_full + (rest > 0), c, dtype=SCALE_DTYPE, device=dev)
     scale = torch.empty_like(lo)
-    lfc = torch.empty(tokens.shape[0] // block, c, dtype=lfc_dtype, device=dev) if block > 1 else None
+    lfc = torch.empty(n // block, c, dtype=lfc_dtype, device=dev) if block > 1 else None
+    if native.applies(dev, None if lfc is None else lfc_dtype):  # padding and all, in one call
+        native.encode_tokens(x3, codes, lfc, lo, scale, None if seed is None else int(seed), bits, block, group)
+        return codes, lfc, lo, scale
+    if n != m * t:  # repeat the last token: the padded block's mean moves, but no group range widens
+        x3 = torch.cat([x3, x3[:, -1:].expand(m, n // m - t, c)], dim=1)
+    tokens = x3.reshape(-1, c)
+    full, last = _code_views(codes, n_full, rest, group, bits, c)
 
     def args_of(start, groups, words=None):
         stop = start + groups
@@ -351,6 +355,10 @@ def _decode_tokens(p: Packed, layout: Layout) -> torch.Tensor:
     tdim = layout.token_dim
     m, t, c = math.prod(layout.shape[:tdim]), layout.shape[tdim], layout.channels
     block, group = p.block_size, p.group_size
+    if native.applies(p.packed.device, None if p.lfc is None else p.lfc.dtype):
+        out = torch.empty(m, t, c, dtype=torch.float32)
+        native.decode_tokens(out, p.packed, p.lfc, p.lo, p.scale, p.bits, block, group)
+        return out
     tp = -(-t // block) * block
     n_full, rest = divmod(m * tp, group)
     lo, scale = p.lo.float(), p.scale.float()

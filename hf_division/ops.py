@@ -17,7 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .accounting import account_tensors
 from .config import DivisionConfig
 from .once import first_order
-from .quant import pack_mask, unpack_mask
+from .native import masked_scale, pack_mask
+from .quant import unpack_mask
 from .sdpa_backward import GradientOnlySDPA
 from .store import Entry, derive, keep, lookup, recomputing
 
@@ -171,26 +172,26 @@ class DropoutFn(torch.autograd.Function):
         if x.is_cuda or x.device.type not in ("cpu", "meta"):
             out, keep_mask = torch.native_dropout(x, p, True)
         else:
-            noise = torch.empty_like(x).bernoulli_(1 - p)
-            noise.div_(1 - p)
-            out = x * noise
-            keep_mask = noise != 0
+            keep_mask = torch.empty_like(x).bernoulli_(1 - p)
+            keep_mask.div_(1 - p)  # the noise tensor: kept values 1 / (1 - p), dropped ones 0
+            out = x * keep_mask
         ctx.bits, ctx.n = pack_mask(keep_mask)
         ctx.shape, ctx.p, ctx.dtype = x.shape, p, x.dtype
         account_tensors([ctx.bits], "dropout")
         parent = lookup(x)
         if parent is not None:
-            derive(out, (parent,), lambda t, c=ctx: t * DropoutFn.noise(c), extra=[ctx.bits])
+            derive(out, (parent,), lambda t, c=ctx: DropoutFn.noise_times(c, t), extra=[ctx.bits])
         return out
 
     @staticmethod
-    def noise(ctx) -> torch.Tensor:
-        return unpack_mask(ctx.bits, ctx.n, ctx.shape, ctx.dtype, 1 - ctx.p)
+    def noise_times(ctx, t: torch.Tensor) -> torch.Tensor:
+        """``t`` times the forward's noise tensor (its kept values ``1 / (1 - p)``, the rest 0)."""
+        return masked_scale(t, ctx.bits, ctx.n, ctx.shape, ctx.dtype, 1 - ctx.p)
 
     @staticmethod
     @first_order
     def backward(ctx, grad):
-        return grad * DropoutFn.noise(ctx).to(grad.dtype), None
+        return DropoutFn.noise_times(ctx, grad), None
 
 
 class BitDropout(TorchFunctionMode):

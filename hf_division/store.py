@@ -20,7 +20,8 @@ from .accounting import account
 from .compressor import Packed, cast_finite, compress, decompress
 from .config import DivisionConfig
 from .noise import generator
-from .quant import pack_mask, unpack_mask
+from .native import pack_mask
+from .quant import unpack_mask
 
 
 class Entry:

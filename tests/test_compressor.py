@@ -3,6 +3,7 @@ import math
 import pytest
 import torch
 
+from hf_division import native
 from hf_division.compressor import compress, decompress, set_fused
 from hf_division.fused import compiled
 from hf_division.quant import (code_layout, encode_groups, hash_uniform, noise_words, pack_bits, pack_mask, pack_tokens,
@@ -192,12 +193,21 @@ def test_nonfinite_propagates():
     assert not torch.isfinite(y[0]).all() and not torch.isfinite(y[1]).all()
 
 
+@pytest.fixture
+def torch_kernels():
+    """The compressor's torch kernels, not the native CPU ones (hf_division.native)."""
+    native.set_native(False)
+    yield
+    native.set_native(True)
+
+
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 @pytest.mark.parametrize("stochastic", [True, False])
 @pytest.mark.parametrize("grouping", ["tokens", "flat"])
-def test_fused_matches_eager(bits, stochastic, grouping):
+def test_fused_matches_eager(bits, stochastic, grouping, torch_kernels):
     # flat: 4096 + 256 + 3 groups of 256; tokens (64 channels): 64 + 16 + 1 groups of 256 tokens
     # and a partial one: every compiled chunk size, the eager remainder and the partial group
+    # (the torch.compile kernels: what runs on GPUs, and on CPUs without the native kernels)
     tokens = (4096 + 256 + 3) * 4 if grouping == "flat" else (64 + 16 + 1) * 256 + 48
     x = torch.randn(1, tokens, 64)
     out = {}
@@ -219,7 +229,7 @@ def test_fused_matches_eager(bits, stochastic, grouping):
     assert torch.allclose(yf, ye, atol=pf.scale.float().max().item() * 1.0001)
 
 
-def test_compiled_token_kernels_do_not_grow_with_tensor_size():
+def test_compiled_token_kernels_do_not_grow_with_tensor_size(torch_kernels):
     # kernels are compiled per chunk size, not per tensor: a tensor of another length reuses them
     compress_and_back = lambda x: decompress(compress(x, bits=4, block_size=16))  # noqa: E731
     compress_and_back(torch.randn(8, 128, 64))  # 4 groups of 256 tokens

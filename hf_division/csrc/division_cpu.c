@@ -1,0 +1,326 @@
+/* hf-division's CPU kernels: DIVISION's token-group compressor, written out in C.
+ *
+ * Why C: the same math compiled by torch.compile ran at about 1.5 ns per element with about
+ * 0.1 ms of Python and guard overhead per call, several calls per saved tensor; this file runs it
+ * in one call per tensor, several times faster (docs/DESIGN.md, "Native CPU kernels"). It is the
+ * element-by-element form of hf_division/quant.py (token_stats, quantize_tokens, pack_tokens,
+ * decode_tokens, hash_uniform, bf16_directed, round_lfc) and produces the same bytes: the tests
+ * compare the two. Compiled with -ffp-contract=off, so every product and sum is rounded on its own
+ * as in the tensor code. Built and loaded by hf_division/native.py; OpenMP is the runtime PyTorch
+ * already loaded (libgomp.so.1), with PyTorch's thread count passed in.
+ *
+ * Layout (hf_division/compressor.py): the tensor is M sequences of T tokens of C float32 channels,
+ * each sequence padded to Tp = ceil(T / block) * block tokens by repeating its last token; the
+ * padded tokens are numbered tt = 0 .. M*Tp-1 and cut into groups of G tokens, the last one
+ * possibly shorter. Per group and channel: lo and scale (bf16 bits), codes packed along tokens;
+ * per block of `block` tokens and channel: the LFC (bf16 bits or float32; none when block == 1).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TILE 64 /* channels per work item: a group's tile (G x TILE floats) stays in L2 between the passes */
+
+enum { LFC_NONE = 0, LFC_BF16 = 1, LFC_F32 = 2 };
+
+static inline uint32_t bits_of(float f) { uint32_t u; memcpy(&u, &f, sizeof u); return u; }
+static inline float float_of(uint32_t u) { float f; memcpy(&f, &u, sizeof f); return f; }
+
+/* quant.bf16_directed: the nearest bf16 value toward -inf (down) or +inf, as float32 */
+static inline float bf16_directed(float v, int down) {
+    uint32_t i = bits_of(v);
+    uint32_t away = (i & 0xFFFFu) != 0 && (down ? v < 0.0f : v > 0.0f);
+    return float_of((i & 0xFFFF0000u) + away * 0x10000u);
+}
+
+/* quant.round_lfc for bf16: round to nearest even on the bits (NaN kept) */
+static inline uint32_t round_bf16(float v) {
+    uint32_t i = bits_of(v);
+    return v != v ? i : (i + 0x7FFFu + ((i >> 16) & 1u)) & 0xFFFF0000u;
+}
+
+/* quant.hash_uniform: U(0, 1) from a 32-bit integer hash of (index + seed) mod 2**32 */
+static inline float hash_uniform(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x5BD1E995u;
+    x ^= x >> 16;
+    return ((float)(x >> 8) + 0.5f) * (1.0f / 16777216.0f);
+}
+
+/* quant.code_layout: a group of g tokens is `rows` rows of C words (uint32 if its codes fill
+ * whole words, else bytes); word (u, j) holds the codes of tokens u, u + rows, ... of channel j */
+typedef struct { int word32; int64_t rows; int per; } Codes;
+
+static Codes code_layout(int64_t g, int bits) {
+    Codes c;
+    c.word32 = g * bits % 32 == 0;
+    c.rows = c.word32 ? g * bits / 32 : (g * bits + 7) / 8;
+    c.per = (c.word32 ? 32 : 8) / bits;
+    return c;
+}
+
+/* The tensor as the kernels see it: n padded tokens of c channels, and its compression parameters. */
+typedef struct {
+    int64_t n, c, block, group;
+    int bits, lfc_kind, block_shift; /* block_shift: log2(block) where block is a power of 2, else -1 */
+    const int64_t *row; /* padded token -> row of the (M*T, C) tensor (-1: a padding token); NULL: itself */
+} Shape;
+
+static inline int64_t row_of(const Shape *s, int64_t tt) { return s->row ? s->row[tt] : tt; }
+static inline int64_t block_of(const Shape *s, int64_t tt) { return s->block_shift >= 0 ? tt >> s->block_shift : tt / s->block; }
+
+/* The shape of M sequences of T tokens padded to whole blocks, and its row map where padding
+ * applies (*row_map, to free): encoding reads a padding token from its sequence's last token,
+ * decoding skips it. Computed once per call: a division per token and tile cost more than the kernel. */
+static Shape make_shape(int64_t m, int64_t t, int64_t c, int64_t block, int64_t group, int bits, int lfc_kind,
+                        int for_decode, int64_t **row_map) {
+    int64_t tp = (t + block - 1) / block * block;
+    Shape s = {m * tp, c, block, group, bits, lfc_kind, -1, NULL};
+    for (int k = 0; k < 62; k++)
+        if ((int64_t)1 << k == block) s.block_shift = k;
+    *row_map = NULL;
+    if (tp != t && (*row_map = malloc(sizeof(int64_t) * s.n)) != NULL) {
+        for (int64_t tt = 0, seq = 0; seq < m; seq++)
+            for (int64_t k = 0; k < tp; k++, tt++)
+                (*row_map)[tt] = k < t ? seq * t + k : for_decode ? -1 : seq * t + t - 1;
+        s.row = *row_map;
+    }
+    return s;
+}
+
+/* ----------------------------------------------------------------------------- encode */
+/* min / max over one row of a tile of x - LFC; `nan` marks the channels that met a NaN (torch.amin /
+ * amax return NaN there: a flag is cheaper than NaN-propagating comparisons) */
+static inline void tile_minmax(const float *row, const float *lf, int64_t tj, float *mn, float *mx, int32_t *nan) {
+    for (int64_t j = 0; j < tj; j++) {
+        float h = row[j] - lf[j];
+        mn[j] = h < mn[j] ? h : mn[j];
+        mx[j] = h > mx[j] ? h : mx[j];
+        nan[j] |= h != h;
+    }
+}
+
+/* The mean of one block's rows over a tile, rounded to the LFC dtype and written out (quant.round_lfc). */
+static void block_mean(const Shape *s, const float *x, int64_t b0, int64_t j0, int64_t tj, void *lfc, float *lf) {
+    float acc[TILE] = {0};
+    for (int64_t tt = b0; tt < b0 + s->block; tt++) {
+        const float *row = x + row_of(s, tt) * s->c + j0;
+        for (int64_t j = 0; j < tj; j++) acc[j] += row[j];
+    }
+    const float inv_block = (float)(1.0 / (double)s->block);
+    int64_t at = block_of(s, b0) * s->c + j0;
+    for (int64_t j = 0; j < tj; j++) {
+        float mean = acc[j] * inv_block;
+        if (s->lfc_kind == LFC_F32) {
+            lf[j] = mean;
+            ((float *)lfc)[at + j] = mean;
+        } else {
+            uint32_t r = round_bf16(mean);
+            lf[j] = float_of(r);
+            ((uint16_t *)lfc)[at + j] = (uint16_t)(r >> 16);
+        }
+    }
+}
+
+/* Pass 1 for one group's tile: the LFC of its blocks (written out) and min / max of x - LFC. */
+static void tile_ranges(const Shape *s, const float *x, int64_t t0, int64_t gt, int64_t j0, int64_t tj,
+                        void *lfc, float *mn, float *mx) {
+    float lf[TILE] = {0};
+    int32_t nan[TILE] = {0};
+    for (int64_t j = 0; j < tj; j++) { mn[j] = INFINITY; mx[j] = -INFINITY; }
+    for (int64_t b0 = t0; b0 < t0 + gt; b0 += s->block) {
+        if (s->lfc_kind != LFC_NONE) block_mean(s, x, b0, j0, tj, lfc, lf);
+        for (int64_t tt = b0; tt < b0 + s->block; tt++)
+            tile_minmax(x + row_of(s, tt) * s->c + j0, lf, tj, mn, mx, nan);
+    }
+    for (int64_t j = 0; j < tj; j++)
+        if (nan[j]) mn[j] = mx[j] = NAN;
+}
+
+/* The LFC of padded token tt over a tile, as float32 (0 without an LFC: x - 0 is x, -0 and NaN included). */
+static inline void tile_lfc(const Shape *s, const void *lfc, int64_t tt, int64_t j0, int64_t tj, float *lf) {
+    if (s->lfc_kind == LFC_NONE) {
+        for (int64_t j = 0; j < tj; j++) lf[j] = 0.0f;
+        return;
+    }
+    int64_t at = block_of(s, tt) * s->c + j0;
+    if (s->lfc_kind == LFC_F32)
+        for (int64_t j = 0; j < tj; j++) lf[j] = ((const float *)lfc)[at + j];
+    else
+        for (int64_t j = 0; j < tj; j++) lf[j] = float_of((uint32_t)((const uint16_t *)lfc)[at + j] << 16);
+}
+
+/* One token's codes over a tile, OR-ed into the words at `shift` (quant.quantize_tokens): y >= 0
+ * by construction, so truncation is the floor; the clamps guard the top code and send NaN to 0
+ * (its group's lo is NaN, so it rebuilds NaN anyway). One loop per case (LFC or not, noise or
+ * not): a test inside the loop kept it from being vectorized as well. */
+#define TOKEN_CODES(H, NOISE)                                                   \
+    for (int64_t j = 0; j < tj; j++) {                                          \
+        float y = ((H) - lo[j]) * inv[j] + (NOISE);                             \
+        y = y > 0.0f ? y : 0.0f;                                                \
+        w[j] |= (uint32_t)(int32_t)(y < levels ? y : levels) << shift;          \
+    }
+static inline void token_codes(const float *row, const float *lf, const float *lo, const float *inv, int64_t tj,
+                               float levels, int stochastic, uint32_t e, int shift, uint32_t *w) {
+    if (lf == NULL && stochastic) TOKEN_CODES(row[j], hash_uniform(e + (uint32_t)j))
+    else if (lf == NULL) TOKEN_CODES(row[j], 0.5f)
+    else if (stochastic) TOKEN_CODES(row[j] - lf[j], hash_uniform(e + (uint32_t)j))
+    else TOKEN_CODES(row[j] - lf[j], 0.5f)
+}
+
+/* Pass 2 for one group's tile: quantize x - LFC with stochastic (or nearest) rounding and pack. */
+static void tile_codes(const Shape *s, const float *x, int64_t t0, int64_t gt, int64_t j0, int64_t tj,
+                       const void *lfc, const float *lo, const float *inv, void *codes, int stochastic,
+                       uint32_t seed) {
+    Codes layout = code_layout(gt, s->bits);
+    const float levels = (float)((1 << s->bits) - 1);
+    for (int64_t u = 0; u < layout.rows; u++) {
+        uint32_t w[TILE] = {0};
+        float lf[TILE];
+        for (int i = 0; i < layout.per && u + i * layout.rows < gt; i++) {
+            int64_t tt = t0 + u + i * layout.rows;
+            if (s->lfc_kind != LFC_NONE) tile_lfc(s, lfc, tt, j0, tj, lf);
+            uint32_t e = (uint32_t)(tt * s->c + j0) + seed; /* element index + seed, modulo 2**32 */
+            token_codes(x + row_of(s, tt) * s->c + j0, s->lfc_kind == LFC_NONE ? NULL : lf, lo, inv, tj, levels,
+                        stochastic, e, i * s->bits, w);
+        }
+        if (layout.word32) {
+            uint32_t *out = (uint32_t *)codes + u * s->c + j0;
+            for (int64_t j = 0; j < tj; j++) out[j] = w[j];
+        } else {
+            uint8_t *out = (uint8_t *)codes + u * s->c + j0;
+            for (int64_t j = 0; j < tj; j++) out[j] = (uint8_t)w[j];
+        }
+    }
+}
+
+/* The first byte of group g's codes: the full groups come first, each `rows` rows of C words. */
+static inline int64_t group_offset(const Shape *s, int64_t g) {
+    Codes full = code_layout(s->group, s->bits);
+    return g * full.rows * s->c * (full.word32 ? 4 : 1);
+}
+
+static void encode_tile(const Shape *s, const float *x, int64_t g, int64_t j0, void *lfc, uint16_t *lo_bits,
+                        uint16_t *scale_bits, uint8_t *codes, int stochastic, uint32_t seed) {
+    int64_t t0 = g * s->group, gt = s->n - t0 < s->group ? s->n - t0 : s->group;
+    int64_t tj = s->c - j0 < TILE ? s->c - j0 : TILE;
+    float mn[TILE], mx[TILE], lo[TILE], inv[TILE];
+    tile_ranges(s, x, t0, gt, j0, tj, lfc, mn, mx);
+    const float per_level = (float)(1.0 / (double)((1 << s->bits) - 1));
+    for (int64_t j = 0; j < tj; j++) { /* quant.token_stats: every value lies in [lo, lo + levels * scale] */
+        float l = bf16_directed(mn[j], 1);
+        float step = bf16_directed((mx[j] - l) * per_level, 0);
+        lo[j] = l;
+        inv[j] = step > 0.0f ? 1.0f / step : 0.0f;
+        lo_bits[g * s->c + j0 + j] = (uint16_t)(bits_of(l) >> 16);
+        scale_bits[g * s->c + j0 + j] = (uint16_t)(bits_of(step) >> 16);
+    }
+    tile_codes(s, x, t0, gt, j0, tj, lfc, lo, inv, codes + group_offset(s, g), stochastic, seed);
+}
+
+/* x: (M*T, C) float32; lfc: (M*Tp / block, C) or NULL; lo, scale: (groups, C) bf16 bits; codes:
+ * the full groups' then the last group's words (compressor._code_bytes). */
+void hfd_encode_tokens(const float *x, int64_t m, int64_t t, int64_t c, int64_t block, int64_t group, int bits,
+                       int lfc_kind, void *lfc, uint16_t *lo, uint16_t *scale, uint8_t *codes, int stochastic,
+                       uint32_t seed, int threads) {
+    int64_t *row_map;
+    Shape s = make_shape(m, t, c, block, group, bits, lfc_kind, 0, &row_map);
+    int64_t groups = (s.n + group - 1) / group, tiles = (c + TILE - 1) / TILE;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t item = 0; item < groups * tiles; item++)
+        encode_tile(&s, x, item / tiles, item % tiles * TILE, lfc, lo, scale, codes, stochastic, seed);
+    free(row_map);
+}
+
+/* ----------------------------------------------------------------------------- decode */
+static void decode_tile(const Shape *s, float *out, int64_t g, int64_t j0, const void *lfc, const uint16_t *lo_bits,
+                        const uint16_t *scale_bits, const uint8_t *codes) {
+    int64_t t0 = g * s->group, gt = s->n - t0 < s->group ? s->n - t0 : s->group, C = s->c;
+    int64_t tj = C - j0 < TILE ? C - j0 : TILE;
+    Codes layout = code_layout(gt, s->bits);
+    const uint8_t *group_codes = codes + group_offset(s, g);
+    uint32_t mask = (1u << s->bits) - 1;
+    float lo[TILE], step[TILE], lf[TILE];
+    for (int64_t j = 0; j < tj; j++) {
+        lo[j] = float_of((uint32_t)lo_bits[g * C + j0 + j] << 16);
+        step[j] = float_of((uint32_t)scale_bits[g * C + j0 + j] << 16);
+    }
+    for (int64_t u = 0; u < layout.rows; u++) {
+        uint32_t w[TILE];
+        if (layout.word32)
+            for (int64_t j = 0; j < tj; j++) w[j] = ((const uint32_t *)group_codes)[u * C + j0 + j];
+        else
+            for (int64_t j = 0; j < tj; j++) w[j] = group_codes[u * C + j0 + j];
+        for (int i = 0; i < layout.per && u + i * layout.rows < gt; i++) {
+            int64_t tt = t0 + u + i * layout.rows, r = row_of(s, tt);
+            if (r < 0) continue; /* a padding token: not part of the tensor */
+            float *row = out + r * C + j0;
+            int shift = i * s->bits;
+            /* quant.decode_tokens: (lo + LFC) + code * scale; the product is exact (<= 16 bits) */
+            if (s->lfc_kind == LFC_NONE) {
+                for (int64_t j = 0; j < tj; j++) row[j] = lo[j] + (float)((w[j] >> shift) & mask) * step[j];
+            } else {
+                tile_lfc(s, lfc, tt, j0, tj, lf);
+                for (int64_t j = 0; j < tj; j++) row[j] = (lo[j] + lf[j]) + (float)((w[j] >> shift) & mask) * step[j];
+            }
+        }
+    }
+}
+
+/* out: (M*T, C) float32, the padding tokens left out; the other arguments as hfd_encode_tokens'. */
+void hfd_decode_tokens(float *out, int64_t m, int64_t t, int64_t c, int64_t block, int64_t group, int bits,
+                       int lfc_kind, const void *lfc, const uint16_t *lo, const uint16_t *scale,
+                       const uint8_t *codes, int threads) {
+    int64_t *row_map;
+    Shape s = make_shape(m, t, c, block, group, bits, lfc_kind, 1, &row_map);
+    int64_t groups = (s.n + group - 1) / group, tiles = (c + TILE - 1) / TILE;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t item = 0; item < groups * tiles; item++)
+        decode_tile(&s, out, item / tiles, item % tiles * TILE, lfc, lo, scale, codes);
+    free(row_map);
+}
+
+/* ----------------------------------------------------------------------------- mask bits */
+/* quant.pack_mask: bit k of byte b (least significant first) says whether element 8b + k has any
+ * bit set (a float 0/1 draw, a dropout noise tensor, a bool mask), for n elements of `size` bytes. */
+#define PACK_NONZERO(T)                                                                   \
+    _Pragma("omp parallel for num_threads(threads) schedule(static)")                     \
+    for (int64_t b = 0; b < full; b++) {                                                  \
+        const T *e = (const T *)src + 8 * b;                                              \
+        uint32_t byte = 0;                                                                \
+        for (int k = 0; k < 8; k++) byte |= (uint32_t)(e[k] != 0) << k;                   \
+        bits[b] = (uint8_t)byte;                                                          \
+    }
+
+void hfd_pack_nonzero(const void *src, int64_t n, int size, uint8_t *bits, int threads) {
+    int64_t full = n / 8;
+    if (size == 1) { PACK_NONZERO(uint8_t) }
+    else if (size == 2) { PACK_NONZERO(uint16_t) }
+    else if (size == 4) { PACK_NONZERO(uint32_t) }
+    else { PACK_NONZERO(uint64_t) }
+    if (n % 8) {
+        uint32_t byte = 0;
+        for (int64_t i = full * 8; i < n; i++) {
+            const uint8_t *e = (const uint8_t *)src + i * size;
+            int set = 0;
+            for (int k = 0; k < size; k++) set |= e[k] != 0;
+            byte |= (uint32_t)set << (i - full * 8);
+        }
+        bits[full] = (uint8_t)byte;
+    }
+}
+
+/* out = grad * keep, keep being `value` where the bit is set and 0 elsewhere, in float32: the
+ * backward of dropout (grad times the forward's noise tensor), the same products as the tensor code */
+void hfd_masked_scale(const float *grad, const uint8_t *bits, float value, float *out, int64_t n, int threads) {
+    int64_t full = n / 8;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < full; b++) {
+        uint32_t byte = bits[b];
+        for (int k = 0; k < 8; k++) out[8 * b + k] = grad[8 * b + k] * ((byte >> k) & 1u ? value : 0.0f);
+    }
+    for (int64_t i = full * 8; i < n; i++) out[i] = grad[i] * ((bits[full] >> (i - full * 8)) & 1u ? value : 0.0f);
+}

@@ -1,0 +1,182 @@
+"""The compressor's native CPU kernels: ``csrc/division_cpu.c``, built with the C compiler on first use.
+
+The token-group compressor compiled by ``torch.compile`` spent most of a division step's extra
+time on the CPU: inductor's loops ran at about 1.5 ns per element and each call paid about 0.1 ms
+of guards and wrappers, several calls per saved tensor (docs/DESIGN.md, "Native CPU kernels").
+The C file is the same math element by element and gives the same bytes (tested against
+:mod:`hf_division.quant`); one call per tensor, parallel over PyTorch's threads.
+
+It is built once per machine into a cache folder (``HF_DIVISION_CACHE``, else
+``$XDG_CACHE_HOME/hf_division`` or ``~/.cache/hf_division``), keyed on the source, the flags, the
+compiler and the CPU, like inductor's own C++ cache. Where no compiler works, or with
+``HF_DIVISION_NATIVE=0``, :func:`kernels` returns None and the compressor uses the
+``torch.compile`` kernels (:mod:`hf_division.fused`), with one warning.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from .quant import bit_table, unpack_mask
+from .quant import pack_mask as quant_pack_mask
+
+SOURCE = Path(__file__).with_name("csrc") / "division_cpu.c"
+#: -ffp-contract=off: each product and sum rounded on its own, as in the tensor code (same bytes)
+FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11"]
+#: LFC kinds of the C side (``enum`` in the source)
+LFC_KIND = {None: 0, torch.bfloat16: 1, torch.float32: 2}
+
+_state: dict = {"enabled": os.environ.get("HF_DIVISION_NATIVE", "1") != "0", "lib": None, "tried": False}
+_lock = threading.Lock()
+
+
+def set_native(enabled: bool) -> None:
+    """Use the native CPU kernels where they apply (default) or the ``torch.compile``/eager ones."""
+    _state["enabled"] = bool(enabled)
+
+
+def kernels() -> ctypes.CDLL | None:
+    """The loaded library, built on first use; None if disabled or it cannot be built here."""
+    if not _state["enabled"]:
+        return None
+    if not _state["tried"]:
+        with _lock:
+            if not _state["tried"]:
+                _state["lib"] = _load()
+                _state["tried"] = True
+    return _state["lib"]
+
+
+def applies(device: torch.device, lfc_dtype: torch.dtype | None) -> bool:
+    """Whether the native kernels take a token-grouped tensor on ``device`` with this LFC dtype
+    (None: no LFC): on the CPU, with an LFC of bf16 or float32 or none."""
+    return device.type == "cpu" and lfc_dtype in LFC_KIND and kernels() is not None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("HF_DIVISION_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "hf_division")
+    return Path(root)
+
+
+def _cpu_id() -> str:
+    """What the build depends on beyond the source: the CPU's features (``-march=native``)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {platform.processor()} {flags}"
+
+
+def _load() -> ctypes.CDLL | None:
+    try:
+        return build()
+    except (OSError, subprocess.SubprocessError) as err:
+        warnings.warn(f"hf-division: the native CPU kernels could not be built, so the compressor runs its "
+                      f"torch.compile kernels (slower): {err}", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def build(cc: str | None = None, cache: Path | None = None) -> ctypes.CDLL:
+    """Compile ``csrc/division_cpu.c`` with ``cc`` (default: ``$CC``, else ``cc``) into ``cache``
+    (default: the cache folder above) unless it is there already, and load it. Tries
+    ``-march=native`` first, then without it (some compilers or CPUs lack it). Raises ``OSError``
+    or ``subprocess.SubprocessError`` naming each command that failed."""
+    cc = cc or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or "cc"
+    errors = []
+    for arch in (["-march=native"], []):
+        flags = FLAGS + arch
+        try:
+            return _declare(ctypes.CDLL(str(_compiled(cc, flags, cache or _cache_dir()))))
+        except (OSError, subprocess.SubprocessError) as err:
+            errors.append(f"{' '.join([cc] + flags)}: {err}")
+    raise subprocess.SubprocessError(" | ".join(errors))
+
+
+def _compiled(cc: str, flags: list[str], cache: Path) -> Path:
+    source = SOURCE.read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_id().encode()]))
+    target = cache / f"division_cpu_{key.hexdigest()[:20]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        done = subprocess.run([cc, *flags, str(SOURCE), "-o", str(built)], capture_output=True, text=True, timeout=300)
+        if done.returncode:
+            raise subprocess.SubprocessError(f"exit status {done.returncode}: {done.stderr.strip()[-2000:]}")
+        os.replace(built, target)  # atomic: processes building at once each install a whole file
+    return target
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    shape = [i64, i64, i64, i64, i64, i32, i32]  # m, t, c, block, group, bits, lfc kind
+    lib.hfd_encode_tokens.argtypes = [p, *shape, p, p, p, p, i32, ctypes.c_uint32, i32]
+    lib.hfd_encode_tokens.restype = None
+    lib.hfd_decode_tokens.argtypes = [p, *shape, p, p, p, p, i32]
+    lib.hfd_decode_tokens.restype = None
+    lib.hfd_pack_nonzero.argtypes = [p, i64, i32, p, i32]
+    lib.hfd_pack_nonzero.restype = None
+    lib.hfd_masked_scale.argtypes = [p, p, ctypes.c_float, p, i64, i32]
+    lib.hfd_masked_scale.restype = None
+    return lib
+
+
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else t.data_ptr()
+
+
+def encode_tokens(x3: torch.Tensor, codes, lfc, lo, scale, seed: int | None, bits: int, block: int, group: int) -> None:
+    """Fill ``codes``, ``lfc`` (None: no LFC), ``lo`` and ``scale`` from ``x3`` ``(M, T, C)`` float32,
+    each sequence padded to whole blocks by repeating its last token (the layout of
+    :func:`hf_division.compressor.compress`). ``seed``: the rounding noise's seed, None for
+    round-to-nearest."""
+    m, t, c = x3.shape
+    x = x3.contiguous()
+    kind = LFC_KIND[None if lfc is None else lfc.dtype]
+    kernels().hfd_encode_tokens(_ptr(x), m, t, c, block, group, bits, kind, _ptr(lfc), _ptr(lo), _ptr(scale),
+                                _ptr(codes), seed is not None, (seed or 0) & 0xFFFFFFFF, torch.get_num_threads())
+
+
+def decode_tokens(out: torch.Tensor, codes, lfc, lo, scale, bits: int, block: int, group: int) -> None:
+    """Rebuild into ``out`` ``(M, T, C)`` float32 (contiguous) what :func:`encode_tokens` encoded."""
+    m, t, c = out.shape
+    kind = LFC_KIND[None if lfc is None else lfc.dtype]
+    kernels().hfd_decode_tokens(_ptr(out), m, t, c, block, group, bits, kind, _ptr(lfc), _ptr(lo), _ptr(scale),
+                                _ptr(codes), torch.get_num_threads())
+
+
+def pack_mask(mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """:func:`hf_division.quant.pack_mask` (the same bits), in one pass where the native kernels
+    take ``mask`` (a contiguous CPU tensor), else by the tensor code."""
+    if not (mask.device.type == "cpu" and mask.is_contiguous() and kernels() is not None):
+        return quant_pack_mask(mask)
+    n = mask.numel()
+    bits = torch.empty(-(-n // 8), dtype=torch.uint8)
+    kernels().hfd_pack_nonzero(_ptr(mask), n, mask.element_size(), _ptr(bits), torch.get_num_threads())
+    return bits, n
+
+
+def masked_scale(grad: torch.Tensor, bits: torch.Tensor, n: int, shape, dtype: torch.dtype, divisor: float) -> torch.Tensor:
+    """``grad * unpack_mask(bits, n, shape, dtype, divisor).to(grad.dtype)`` (dropout's backward:
+    the gradient times the forward's noise), in one pass for contiguous float32 CPU gradients."""
+    if not (grad.device.type == "cpu" and grad.dtype == dtype == torch.float32 and grad.is_contiguous()
+            and kernels() is not None):
+        return grad * unpack_mask(bits, n, shape, dtype, divisor).to(grad.dtype)
+    value = bit_table(grad.device, dtype, float(divisor))[1, 0].item()  # the tensor code's kept value, to the bit
+    out = torch.empty_like(grad)
+    kernels().hfd_masked_scale(_ptr(grad), _ptr(bits), value, _ptr(out), n, torch.get_num_threads())
+    return out

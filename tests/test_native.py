@@ -1,0 +1,140 @@
+"""The native CPU kernels (hf_division/csrc/division_cpu.c) against the tensor code they write out
+(hf_division/quant.py, run eagerly): the same bytes, the same rebuilt values; built once per
+machine, with a warning and the torch kernels where no compiler works."""
+import subprocess
+
+import pytest
+import torch
+
+from hf_division import native, quant
+from hf_division.compressor import compress, decompress, set_fused
+
+
+def both(x, **kw):
+    """``{native: (Packed, rebuilt)}`` for the native kernels and the eager tensor code."""
+    out = {}
+    for use in (True, False):
+        native.set_native(use)
+        set_fused(use)  # the reference is the eager tensor code, not a compiled copy of it
+        try:
+            p = compress(x, generator=torch.Generator().manual_seed(3), **kw)
+            out[use] = (p, decompress(p))
+        finally:
+            native.set_native(True)
+            set_fused(True)
+    return out[True], out[False]
+
+
+pytestmark = pytest.mark.skipif(native.kernels() is None, reason="no C compiler: the native kernels are not built")
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("stochastic", [True, False])
+@pytest.mark.parametrize("shape, group", [((4, 128, 96), 256), ((3, 77, 40), 32), ((2, 129, 64), 256), ((1, 3, 200), 8)])
+def test_same_bytes_and_values_without_lfc(bits, stochastic, shape, group):
+    # full groups, a partial last group, groups shorter than a word, a transposed view below
+    x = torch.randn(*shape) * 3
+    (pn, yn), (pe, ye) = both(x, bits=bits, block_size=1, group_size=group, stochastic=stochastic)
+    assert pn.layout == pe.layout and pn.group_size == pe.group_size
+    for a, b in zip(pn.storages(), pe.storages()):
+        assert torch.equal(a, b)
+    assert torch.equal(yn, ye)
+
+
+@pytest.mark.parametrize("lfc_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(2, 100, 64), (3, 37, 128), (1, 5, 64)])
+def test_same_bytes_with_lfc_and_padding(lfc_dtype, shape):
+    # sequences padded to whole blocks by repeating the last token; 64 channels: ATen sums the
+    # block in the same order as the C loop (another channel count can differ in the last bit)
+    x = torch.randn(*shape) * 3
+    (pn, yn), (pe, ye) = both(x, bits=4, block_size=16, group_size=64, lfc_dtype=lfc_dtype)
+    for a, b in zip(pn.storages(), pe.storages()):
+        assert torch.equal(a, b)
+    assert torch.equal(yn, ye)
+
+
+def test_any_channel_count_within_a_step():
+    # with 70 channels ATen may add a block's tail channels in another order: LFC and codes can
+    # differ by float32 rounding, the rebuilt values by at most one quantization step
+    x = torch.randn(2, 37, 70) * 3
+    (pn, yn), (pe, ye) = both(x, bits=4, block_size=16, group_size=256, lfc_dtype=torch.float32)
+    assert torch.allclose(pn.lfc, pe.lfc, rtol=1e-6, atol=1e-6)
+    assert ((yn - ye).abs() <= pe.scale.float().max() * 1.0001).all()
+
+
+def test_transposed_view_and_outlier_tokens():
+    # q of attention: (B, H, T, d) viewing (B, T, H*d) memory; decoders keep outlier tokens exact
+    x = torch.randn(2, 64, 4 * 24).view(2, 64, 4, 24).transpose(1, 2)
+    x[0, :, 0] *= 500.0
+    (pn, yn), (pe, ye) = both(x, bits=4, block_size=16, group_size=32, outlier_ratio=16.0)
+    assert pn.rows is not None and torch.equal(pn.row_index, pe.row_index)
+    assert torch.equal(yn, ye) and yn.shape == x.shape and yn.stride() == x.stride()
+
+
+def test_nonfinite_values_rebuild_nonfinite_where_the_tensor_code_does():
+    x = torch.randn(2, 40, 64)
+    x[0, 3, 5], x[1, 7, 1], x[1, 20, 9] = float("nan"), float("inf"), -float("inf")
+    (_, yn), (_, ye) = both(x, bits=4, block_size=1, group_size=32)
+    assert torch.equal(torch.isnan(yn), torch.isnan(ye)) and torch.equal(torch.isinf(yn), torch.isinf(ye))
+    assert torch.equal(yn[torch.isfinite(yn)], ye[torch.isfinite(ye)])
+
+
+def test_result_does_not_depend_on_the_thread_count():
+    x = torch.randn(8, 96, 200)
+    before = torch.get_num_threads()
+    out = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out.append(compress(x, bits=4, block_size=16, group_size=64, generator=torch.Generator().manual_seed(0)))
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(out[0].storages(), out[1].storages()):
+        assert torch.equal(a, b)
+
+
+def test_a_broken_compiler_raises_naming_the_command(tmp_path):
+    with pytest.raises((OSError, subprocess.SubprocessError), match="false"):
+        native.build(cc="false", cache=tmp_path)
+    assert not list(tmp_path.glob("*.so"))  # nothing half-written is left to load
+
+
+def test_built_once_then_loaded_from_the_cache(tmp_path):
+    first = native.build(cache=tmp_path)
+    (built,) = tmp_path.glob("*.so")
+    mtime = built.stat().st_mtime_ns
+    second = native.build(cache=tmp_path)
+    assert built.stat().st_mtime_ns == mtime and first._name == second._name == str(built)
+
+
+def test_disabled_native_kernels_fall_back_to_the_tensor_code():
+    x = torch.randn(2, 64, 32)
+    native.set_native(False)
+    try:
+        assert not native.applies(x.device, None)
+        y = decompress(compress(x, bits=8, block_size=1, group_size=32))
+    finally:
+        native.set_native(True)
+    assert native.applies(x.device, None) and (y - x).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.bool, torch.float64])
+@pytest.mark.parametrize("n", [1, 7, 8, 13, 4099])
+def test_mask_bits_are_the_tensor_codes(dtype, n):
+    # a dropout noise tensor (0 or 1 / (1 - p)), a 0/1 draw, a bool mask: bit i set where element i is not 0
+    draw = torch.rand(n, generator=torch.Generator().manual_seed(n)) > 0.3
+    mask = draw.to(dtype) if dtype == torch.bool else draw.to(dtype).div_(0.7)
+    bits, count = native.pack_mask(mask)
+    assert count == n and torch.equal(bits, quant.pack_mask(mask)[0])
+    assert torch.equal(quant.unpack_mask(bits, n, (n,)).bool(), draw)
+
+
+@pytest.mark.parametrize("n", [5, 64, 4099])
+def test_dropout_backward_is_the_gradient_times_the_noise(n):
+    g = torch.Generator().manual_seed(n)
+    noise = (torch.rand(n, generator=g) > 0.1).float().div_(0.9)  # as F.dropout's CPU path makes it
+    grad = torch.randn(n, generator=g)
+    grad[:3] = torch.tensor([float("inf"), -2.0, float("nan")])  # inf * 0 is NaN, -2 * 0 is -0
+    bits, count = native.pack_mask(noise)
+    out = native.masked_scale(grad, bits, count, (n,), torch.float32, 0.9)
+    assert torch.equal(out.view(torch.int32), (grad * noise).view(torch.int32))  # to the bit, NaN and -0 included
