@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Accuracy parity on real GLUE data with real MiniLM-L6: baseline vs division (default policy),
-# identical hyper-parameters, seeds 0 1 2 (SST-2: the first 2000 train rows, 2 epochs; MRPC, CoLA,
+# identical hyper-parameters, seeds 0 1 2 (SST-2: the first 2000 train rows, 2 epochs; MRPC,
 # STS-B: full train sets, 1 epoch; RTE: full train set, RTE_EPOCHS epochs (default 5: one epoch
-# left MiniLM at chance); dev sets full); LoRA vs LoRA+division on the SST-2 subset. Sized for
+# left MiniLM at chance); CoLA: full train set, COLA_EPOCHS epochs (default 3: after one epoch
+# neither arm had learned it); dev sets full); LoRA vs LoRA+division on the SST-2 subset. Sized for
 # a 2-core CPU (about 2 to 4 s per step at batch 32 on a loaded machine). Arms are interleaved so
 # machine load affects them alike. Then writes the table: python scripts/parity_table.py OUT
 #   usage: scripts/glue_parity.sh [GLUE_DIR=../shared/data/glue] [OUT=out/parity] [SEEDS="0 1 2"]
@@ -31,6 +32,7 @@ SST2=(--task_name sst2 --max_train_samples 2000 --num_train_epochs 2)
 LORA=(--use_lora --lora_r 8 --lora_alpha 16 --lora_dropout 0.1 --learning_rate 5e-4)
 # task by task (all seeds and arms of a task before the next), arms interleaved per seed
 RTE_EPOCHS=${RTE_EPOCHS:-5}
+COLA_EPOCHS=${COLA_EPOCHS:-3}
 for job in ${JOBS:-mrpc cola stsb sst2 sst2-lora rte}; do  # JOBS="mrpc rte" runs a subset
   for seed in $SEEDS; do
     for arm in baseline division; do
@@ -39,7 +41,7 @@ for job in ${JOBS:-mrpc cola stsb sst2 sst2-lora rte}; do  # JOBS="mrpc rte" run
         sst2) run "sst2_${arm}_s$seed" "${SST2[@]}" --learning_rate 5e-5 "${flag[@]}" ;;
         mrpc) run "mrpc_${arm}_s$seed" --task_name mrpc --num_train_epochs 1 --learning_rate 5e-5 "${flag[@]}" ;;
         rte) run "rte_${arm}_s$seed" --task_name rte --num_train_epochs "$RTE_EPOCHS" --learning_rate 5e-5 "${flag[@]}" ;;
-        cola) run "cola_${arm}_s$seed" --task_name cola --num_train_epochs 1 --learning_rate 5e-5 "${flag[@]}" ;;
+        cola) run "cola_${arm}_s$seed" --task_name cola --num_train_epochs "$COLA_EPOCHS" --learning_rate 5e-5 "${flag[@]}" ;;
         stsb) run "stsb_${arm}_s$seed" --task_name stsb --num_train_epochs 1 --learning_rate 5e-5 "${flag[@]}" ;;
         sst2-lora) run "sst2_lora-${arm}_s$seed" "${SST2[@]}" "${LORA[@]}" "${flag[@]}" ;;
       esac
