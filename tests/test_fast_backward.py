@@ -117,3 +117,27 @@ def test_chunked_over_batch_matches_one_pass(monkeypatch, mask, gqa):
     chunked = sdpa_grads(*args)
     for a, b in zip(chunked, whole):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("frozen_linears", [False, True])
+def test_layer_norm_direct_backward_is_the_recomputation_to_the_bit(frozen_linears, monkeypatch):
+    """nn.LayerNorm runs one normalization in backward (hf_division.layer_norm) where the generic
+    path ran two; with the Linears frozen no later layer rebuilds its output and the backward
+    normalizes on its own. The gradients equal the generic path's to the bit."""
+    from hf_division import layer_norm, patching
+
+    batch = tiny_batch(pad_from=[64, 50, 64, 33])
+    grads, calls = {}, []
+    real = layer_norm.LayerNormFn.backward
+    monkeypatch.setattr(layer_norm.LayerNormFn, "backward", lambda *a: calls.append(1) or real(*a))
+    for fast in (True, False):
+        if not fast:
+            monkeypatch.setattr(patching, "layer_norm_takes", lambda module: False)
+        model = tiny_model("bert", "sdpa")
+        for m in model.modules():
+            if frozen_linears and isinstance(m, torch.nn.Linear):
+                m.weight.requires_grad_(False)
+        hd.apply_division(model, hd.DivisionConfig(rounding="nearest", min_numel=0))
+        grads[fast] = flat_grad(model, batch, 0)
+    assert len(calls) == 2 * model.config.num_hidden_layers + 1  # every LayerNorm, embeddings' included
+    assert torch.equal(grads[True], grads[False]) and grads[True].abs().sum() > 0
