@@ -93,10 +93,11 @@ class Packed:
     row_index: torch.Tensor | None = None  # (k,) int64 their index among the M*T tokens
     grouping: str = "flat"  # "tokens": groups of tokens within one channel; "flat": consecutive elements
     row_keep: torch.Tensor | None = None  # (k,) bool: which of ``rows`` are exact (None: all); see ``static_rows``
+    row_scale: torch.Tensor | None = None  # (..., T, 1) float32: x / row_scale was compressed (compress_row_scaled)
 
     def storages(self) -> list[torch.Tensor]:
         """The tensors this object holds."""
-        own = (self.packed, self.lo, self.scale, self.lfc, self.rows, self.row_index, self.row_keep)
+        own = (self.packed, self.lo, self.scale, self.lfc, self.rows, self.row_index, self.row_keep, self.row_scale)
         return [t for t in own if t is not None]
 
     @property
@@ -197,6 +198,31 @@ def compress(
                              row_keep), x)
 
 
+def compress_row_scaled(x: torch.Tensor, row_scale: torch.Tensor, bits: int, block_size: int, group_size: int,
+                        lfc_dtype: torch.dtype, stochastic: bool = True, generator: torch.Generator | None = None,
+                        **policy) -> Packed | None:
+    """``compress(x / row_scale, ...)`` with ``row_scale`` (``x.shape[:-1] + (1,)``, float32) held in
+    the result, which rebuilds ``x``: the same codes and values as dividing first and multiplying
+    after, with the division and the product inside the native kernels' passes instead of two more
+    passes over the tensor. None where that does not apply (the caller divides instead): not a
+    contiguous float32 CPU tensor, not token groups, or tokens to split off exact (``policy``:
+    ``grouping``, ``outlier_ratio``, ``exact_tokens``, whose split would run on the divided values)."""
+    exact = policy.get("outlier_ratio", 0.0) or policy.get("exact_tokens", 0) or policy.get("grouping", "tokens") != "tokens"
+    if (exact or not bits or x.dtype != torch.float32 or not x.is_contiguous() or x.dim() < 2
+            or not native.applies(x.device, lfc_dtype if min(block_size, x.shape[-2]) > 1 else None)):
+        return None
+    x3, layout = _to_tokens(x, x.dim() - 2)
+    seed = noise_seed(x.device, generator) if stochastic else None
+    block = max(1, min(block_size, x3.shape[1]))
+    group = _token_group(group_size, block, bits)
+    codes, lfc, lo, scale = _compress_tokens(x3, seed, bits, block, group, lfc_dtype, row_scale)
+    p = Packed(codes, lo, scale, lfc, x.shape, x.dtype, layout, bits, block, group, grouping="tokens")
+    kept = _no_larger(p, x)  # as for x / row_scale: the caller keeps x whole where not smaller
+    if kept.bits:
+        kept.row_scale = row_scale
+    return kept
+
+
 def _no_larger(p: Packed, x: torch.Tensor) -> Packed:
     """``p``, or ``x`` kept as it is (``bits == 0``) when ``p`` would hold as many bytes or more:
     short rows padded to a block, tiny groups and narrow dtypes at 8 bits can cost more than the
@@ -268,8 +294,9 @@ def _compress_flat(x3: torch.Tensor, seed, bits: int, group_size: int):
     return quantize_groups(flat, seed, bits, group_size)
 
 
-def _compress_tokens(x3: torch.Tensor, seed, bits: int, block: int, group: int, lfc_dtype: torch.dtype):
-    """``(M, T, C)`` float32 -> ``(codes, lfc, lo, scale)`` in token groups of ``group`` tokens."""
+def _compress_tokens(x3: torch.Tensor, seed, bits: int, block: int, group: int, lfc_dtype: torch.dtype, row_scale=None):
+    """``(M, T, C)`` float32 -> ``(codes, lfc, lo, scale)`` in token groups of ``group`` tokens
+    (of ``x3 / row_scale`` where given: native kernels only, :func:`compress_row_scaled`)."""
     m, t, c = x3.shape
     n = m * (-(-t // block) * block)
     n_full, rest = divmod(n, group)
@@ -279,7 +306,8 @@ def _compress_tokens(x3: torch.Tensor, seed, bits: int, block: int, group: int, 
     scale = torch.empty_like(lo)
     lfc = torch.empty(n // block, c, dtype=lfc_dtype, device=dev) if block > 1 else None
     if native.applies(dev, None if lfc is None else lfc_dtype):  # padding and all, in one call
-        native.encode_tokens(x3, codes, lfc, lo, scale, None if seed is None else int(seed), bits, block, group)
+        native.encode_tokens(x3, codes, lfc, lo, scale, None if seed is None else int(seed), bits, block, group,
+                             row_scale)
         return codes, lfc, lo, scale
     if n != m * t:  # repeat the last token: the padded block's mean moves, but no group range widens
         x3 = torch.cat([x3, x3[:, -1:].expand(m, n // m - t, c)], dim=1)
@@ -357,7 +385,7 @@ def _decode_tokens(p: Packed, layout: Layout) -> torch.Tensor:
     block, group = p.block_size, p.group_size
     if native.applies(p.packed.device, None if p.lfc is None else p.lfc.dtype):
         out = torch.empty(m, t, c, dtype=torch.float32)
-        native.decode_tokens(out, p.packed, p.lfc, p.lo, p.scale, p.bits, block, group)
+        native.decode_tokens(out, p.packed, p.lfc, p.lo, p.scale, p.bits, block, group, p.row_scale)
         return out
     tp = -(-t // block) * block
     n_full, rest = divmod(m * tp, group)
@@ -375,7 +403,8 @@ def _decode_tokens(p: Packed, layout: Layout) -> torch.Tensor:
     if rest:
         decode_into(*args_of(n_full, 1, last), p.bits, block, rest)
     x = out.view(m, tp, c)
-    return x[:, :t].contiguous() if tp != t else x
+    x = x[:, :t].contiguous() if tp != t else x
+    return x if p.row_scale is None else x * p.row_scale.view(m, t, 1)
 
 
 def cast_finite(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

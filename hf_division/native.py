@@ -124,9 +124,9 @@ def _compiled(cc: str, flags: list[str], cache: Path) -> Path:
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     shape = [i64, i64, i64, i64, i64, i32, i32]  # m, t, c, block, group, bits, lfc kind
-    lib.hfd_encode_tokens.argtypes = [p, *shape, p, p, p, p, i32, ctypes.c_uint32, i32]
+    lib.hfd_encode_tokens.argtypes = [p, *shape, p, p, p, p, i32, ctypes.c_uint32, p, i32]
     lib.hfd_encode_tokens.restype = None
-    lib.hfd_decode_tokens.argtypes = [p, *shape, p, p, p, p, i32]
+    lib.hfd_decode_tokens.argtypes = [p, *shape, p, p, p, p, p, i32]
     lib.hfd_decode_tokens.restype = None
     lib.hfd_pack_nonzero.argtypes = [p, i64, i32, p, i32]
     lib.hfd_pack_nonzero.restype = None
@@ -139,24 +139,37 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
-def encode_tokens(x3: torch.Tensor, codes, lfc, lo, scale, seed: int | None, bits: int, block: int, group: int) -> None:
+def encode_tokens(x3: torch.Tensor, codes, lfc, lo, scale, seed: int | None, bits: int, block: int, group: int,
+                  row_scale: torch.Tensor | None = None) -> None:
     """Fill ``codes``, ``lfc`` (None: no LFC), ``lo`` and ``scale`` from ``x3`` ``(M, T, C)`` float32,
     each sequence padded to whole blocks by repeating its last token (the layout of
-    :func:`hf_division.compressor.compress`). ``seed``: the rounding noise's seed, None for
-    round-to-nearest."""
+    :func:`hf_division.compressor.compress`), divided by ``row_scale`` (``M*T`` float32, one per
+    token) where given. ``seed``: the rounding noise's seed, None for round-to-nearest."""
     m, t, c = x3.shape
     x = x3.contiguous()
     kind = LFC_KIND[None if lfc is None else lfc.dtype]
     kernels().hfd_encode_tokens(_ptr(x), m, t, c, block, group, bits, kind, _ptr(lfc), _ptr(lo), _ptr(scale),
-                                _ptr(codes), seed is not None, (seed or 0) & 0xFFFFFFFF, torch.get_num_threads())
+                                _ptr(codes), seed is not None, (seed or 0) & 0xFFFFFFFF, _ptr(_rows(row_scale, m * t)),
+                                torch.get_num_threads())
 
 
-def decode_tokens(out: torch.Tensor, codes, lfc, lo, scale, bits: int, block: int, group: int) -> None:
-    """Rebuild into ``out`` ``(M, T, C)`` float32 (contiguous) what :func:`encode_tokens` encoded."""
+def _rows(row_scale: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    if row_scale is None:
+        return None
+    if row_scale.dtype != torch.float32 or row_scale.numel() != n or not row_scale.is_contiguous():
+        raise ValueError(f"hf-division: row_scale must be {n} contiguous float32 values, got {tuple(row_scale.shape)} "
+                         f"{row_scale.dtype}")
+    return row_scale
+
+
+def decode_tokens(out: torch.Tensor, codes, lfc, lo, scale, bits: int, block: int, group: int,
+                  row_scale: torch.Tensor | None = None) -> None:
+    """Rebuild into ``out`` ``(M, T, C)`` float32 (contiguous) what :func:`encode_tokens` encoded,
+    multiplied back by ``row_scale`` where given."""
     m, t, c = out.shape
     kind = LFC_KIND[None if lfc is None else lfc.dtype]
     kernels().hfd_decode_tokens(_ptr(out), m, t, c, block, group, bits, kind, _ptr(lfc), _ptr(lo), _ptr(scale),
-                                _ptr(codes), torch.get_num_threads())
+                                _ptr(codes), _ptr(_rows(row_scale, m * t)), torch.get_num_threads())
 
 
 def pack_mask(mask: torch.Tensor) -> tuple[torch.Tensor, int]:

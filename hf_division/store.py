@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 
 from .accounting import account
-from .compressor import Packed, cast_finite, compress, decompress
+from .compressor import Packed, cast_finite, compress, compress_row_scaled, decompress
 from .config import DivisionConfig
 from .noise import generator
 from .native import pack_mask
@@ -197,6 +197,13 @@ def _keep_row_scaled(t: torch.Tensor, kind: str, config: DivisionConfig) -> Entr
     x, dtype = t.detach(), t.dtype  # the recipe must not reference ``t``: that would keep it alive
     rms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).mul_(x.shape[-1] ** -0.5)
     rms = torch.where(rms > 0, rms, torch.ones_like(rms))
+    fused = compress_row_scaled(x, rms, generator=generator(t.device), **config.compressor_args(kind))
+    if fused is not None:  # the division and the product inside the kernels' passes
+        if not fused.bits:
+            return None
+        entry = Entry(kind, packed=fused)
+        register(t, entry)
+        return entry
     packed = pack(x / rms, kind, config)
     if not packed.bits:  # not smaller compressed: ``keep`` holds ``t`` itself, without the scales
         return None

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_division import native, quant
-from hf_division.compressor import compress, decompress, set_fused
+from hf_division.compressor import compress, compress_row_scaled, decompress, set_fused
 
 
 def both(x, **kw):
@@ -140,3 +140,34 @@ def test_dropout_backward_is_the_gradient_times_the_noise(n):
     bits, count = native.pack_mask(noise)
     out = native.masked_scale(grad, bits, count, (n,), torch.float32, 0.9)
     assert torch.equal(out.view(torch.int32), (grad * noise).view(torch.int32))  # to the bit, NaN and -0 included
+
+
+@pytest.mark.parametrize("block", [1, 16])
+def test_row_scaled_is_dividing_first_and_multiplying_after(block):
+    # norm inputs: each token relative to its RMS (store._keep_row_scaled); with the division and
+    # the product inside the kernels, the codes and the rebuilt tensor are the same to the bit
+    x = torch.randn(3, 37, 96) * torch.logspace(-2, 2, 37).view(1, 37, 1)
+    rms = torch.linalg.vector_norm(x, dim=-1, keepdim=True).mul_(96**-0.5)
+    args = dict(bits=4, block_size=block, group_size=64, lfc_dtype=torch.bfloat16)
+    fused = compress_row_scaled(x, rms, generator=torch.Generator().manual_seed(4), **args)
+    plain = compress(x / rms, generator=torch.Generator().manual_seed(4), **args)
+    for a, b in zip(plain.storages(), fused.storages()):
+        assert torch.equal(a, b)
+    assert fused.row_scale is rms and fused.nbytes == plain.nbytes + rms.numel() * 4
+    assert torch.equal(decompress(fused), decompress(plain) * rms)
+    native.set_native(False)  # a Packed built natively still rebuilds through the tensor code
+    try:
+        assert torch.equal(decompress(fused), decompress(plain) * rms)
+    finally:
+        native.set_native(True)
+
+
+def test_row_scaled_declines_what_it_cannot_fuse():
+    x = torch.randn(2, 40, 64)
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt()
+    args = dict(bits=4, block_size=1, group_size=64, lfc_dtype=torch.bfloat16)
+    assert compress_row_scaled(x, rms, **args) is not None
+    # outlier tokens would be found among the divided values; bf16 input; a transposed view
+    assert compress_row_scaled(x, rms, outlier_ratio=16.0, **args) is None
+    assert compress_row_scaled(x.bfloat16(), rms, **args) is None
+    assert compress_row_scaled(x.transpose(0, 1), rms.transpose(0, 1), **args) is None

@@ -67,10 +67,22 @@ typedef struct {
     int64_t n, c, block, group;
     int bits, lfc_kind, block_shift; /* block_shift: log2(block) where block is a power of 2, else -1 */
     const int64_t *row; /* padded token -> row of the (M*T, C) tensor (-1: a padding token); NULL: itself */
+    const float *row_scale; /* per row of the tensor: what is compressed is x / scale, rebuilt times it; NULL: none */
 } Shape;
 
 static inline int64_t row_of(const Shape *s, int64_t tt) { return s->row ? s->row[tt] : tt; }
 static inline int64_t block_of(const Shape *s, int64_t tt) { return s->block_shift >= 0 ? tt >> s->block_shift : tt / s->block; }
+
+/* Padded token tt's values over a tile, as compressed: the row itself, or divided by its row
+ * scale into `buf` (store._keep_row_scaled: each token relative to its own RMS) */
+static inline const float *token_row(const Shape *s, const float *x, int64_t tt, int64_t j0, int64_t tj, float *buf) {
+    int64_t r = row_of(s, tt);
+    const float *row = x + r * s->c + j0;
+    if (s->row_scale == NULL) return row;
+    float d = s->row_scale[r];
+    for (int64_t j = 0; j < tj; j++) buf[j] = row[j] / d;
+    return buf;
+}
 
 /* The shape of M sequences of T tokens padded to whole blocks, and its row map where padding
  * applies (*row_map, to free): encoding reads a padding token from its sequence's last token,
@@ -78,7 +90,7 @@ static inline int64_t block_of(const Shape *s, int64_t tt) { return s->block_shi
 static Shape make_shape(int64_t m, int64_t t, int64_t c, int64_t block, int64_t group, int bits, int lfc_kind,
                         int for_decode, int64_t **row_map) {
     int64_t tp = (t + block - 1) / block * block;
-    Shape s = {m * tp, c, block, group, bits, lfc_kind, -1, NULL};
+    Shape s = {m * tp, c, block, group, bits, lfc_kind, -1, NULL, NULL};
     for (int k = 0; k < 62; k++)
         if ((int64_t)1 << k == block) s.block_shift = k;
     *row_map = NULL;
@@ -105,9 +117,9 @@ static inline void tile_minmax(const float *row, const float *lf, int64_t tj, fl
 
 /* The mean of one block's rows over a tile, rounded to the LFC dtype and written out (quant.round_lfc). */
 static void block_mean(const Shape *s, const float *x, int64_t b0, int64_t j0, int64_t tj, void *lfc, float *lf) {
-    float acc[TILE] = {0};
+    float acc[TILE] = {0}, buf[TILE];
     for (int64_t tt = b0; tt < b0 + s->block; tt++) {
-        const float *row = x + row_of(s, tt) * s->c + j0;
+        const float *row = token_row(s, x, tt, j0, tj, buf);
         for (int64_t j = 0; j < tj; j++) acc[j] += row[j];
     }
     const float inv_block = (float)(1.0 / (double)s->block);
@@ -128,13 +140,13 @@ static void block_mean(const Shape *s, const float *x, int64_t b0, int64_t j0, i
 /* Pass 1 for one group's tile: the LFC of its blocks (written out) and min / max of x - LFC. */
 static void tile_ranges(const Shape *s, const float *x, int64_t t0, int64_t gt, int64_t j0, int64_t tj,
                         void *lfc, float *mn, float *mx) {
-    float lf[TILE] = {0};
+    float lf[TILE] = {0}, buf[TILE];
     int32_t nan[TILE] = {0};
     for (int64_t j = 0; j < tj; j++) { mn[j] = INFINITY; mx[j] = -INFINITY; }
     for (int64_t b0 = t0; b0 < t0 + gt; b0 += s->block) {
         if (s->lfc_kind != LFC_NONE) block_mean(s, x, b0, j0, tj, lfc, lf);
         for (int64_t tt = b0; tt < b0 + s->block; tt++)
-            tile_minmax(x + row_of(s, tt) * s->c + j0, lf, tj, mn, mx, nan);
+            tile_minmax(token_row(s, x, tt, j0, tj, buf), lf, tj, mn, mx, nan);
     }
     for (int64_t j = 0; j < tj; j++)
         if (nan[j]) mn[j] = mx[j] = NAN;
@@ -179,12 +191,12 @@ static void tile_codes(const Shape *s, const float *x, int64_t t0, int64_t gt, i
     const float levels = (float)((1 << s->bits) - 1);
     for (int64_t u = 0; u < layout.rows; u++) {
         uint32_t w[TILE] = {0};
-        float lf[TILE];
+        float lf[TILE], buf[TILE];
         for (int i = 0; i < layout.per && u + i * layout.rows < gt; i++) {
             int64_t tt = t0 + u + i * layout.rows;
             if (s->lfc_kind != LFC_NONE) tile_lfc(s, lfc, tt, j0, tj, lf);
             uint32_t e = (uint32_t)(tt * s->c + j0) + seed; /* element index + seed, modulo 2**32 */
-            token_codes(x + row_of(s, tt) * s->c + j0, s->lfc_kind == LFC_NONE ? NULL : lf, lo, inv, tj, levels,
+            token_codes(token_row(s, x, tt, j0, tj, buf), s->lfc_kind == LFC_NONE ? NULL : lf, lo, inv, tj, levels,
                         stochastic, e, i * s->bits, w);
         }
         if (layout.word32) {
@@ -222,12 +234,13 @@ static void encode_tile(const Shape *s, const float *x, int64_t g, int64_t j0, v
 }
 
 /* x: (M*T, C) float32; lfc: (M*Tp / block, C) or NULL; lo, scale: (groups, C) bf16 bits; codes:
- * the full groups' then the last group's words (compressor._code_bytes). */
+ * the full groups' then the last group's words (compressor._code_bytes); row_scale: (M*T,) or NULL. */
 void hfd_encode_tokens(const float *x, int64_t m, int64_t t, int64_t c, int64_t block, int64_t group, int bits,
                        int lfc_kind, void *lfc, uint16_t *lo, uint16_t *scale, uint8_t *codes, int stochastic,
-                       uint32_t seed, int threads) {
+                       uint32_t seed, const float *row_scale, int threads) {
     int64_t *row_map;
     Shape s = make_shape(m, t, c, block, group, bits, lfc_kind, 0, &row_map);
+    s.row_scale = row_scale;
     int64_t groups = (s.n + group - 1) / group, tiles = (c + TILE - 1) / TILE;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t item = 0; item < groups * tiles; item++)
@@ -266,6 +279,10 @@ static void decode_tile(const Shape *s, float *out, int64_t g, int64_t j0, const
                 tile_lfc(s, lfc, tt, j0, tj, lf);
                 for (int64_t j = 0; j < tj; j++) row[j] = (lo[j] + lf[j]) + (float)((w[j] >> shift) & mask) * step[j];
             }
+            if (s->row_scale != NULL) { /* rounded once more, as r * scale after the decode */
+                float m = s->row_scale[r];
+                for (int64_t j = 0; j < tj; j++) row[j] = row[j] * m;
+            }
         }
     }
 }
@@ -273,9 +290,10 @@ static void decode_tile(const Shape *s, float *out, int64_t g, int64_t j0, const
 /* out: (M*T, C) float32, the padding tokens left out; the other arguments as hfd_encode_tokens'. */
 void hfd_decode_tokens(float *out, int64_t m, int64_t t, int64_t c, int64_t block, int64_t group, int bits,
                        int lfc_kind, const void *lfc, const uint16_t *lo, const uint16_t *scale,
-                       const uint8_t *codes, int threads) {
+                       const uint8_t *codes, const float *row_scale, int threads) {
     int64_t *row_map;
     Shape s = make_shape(m, t, c, block, group, bits, lfc_kind, 1, &row_map);
+    s.row_scale = row_scale;
     int64_t groups = (s.n + group - 1) / group, tiles = (c + TILE - 1) / TILE;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t item = 0; item < groups * tiles; item++)
