@@ -29,11 +29,11 @@ def _sync(device: str) -> Callable[[], None]:
     return lambda: None
 
 
-def interleaved_medians(names: list[str], seconds: Callable[[str], float], rounds: int,
-                        before_round: Callable[[int], None] | None = None) -> dict[str, float]:
-    """``{name: median seconds}`` over ``rounds`` rounds; ``seconds(name)`` times one step of ``name``.
-    ``before_round(r)``, if given, runs before round ``r`` (0: the warm-up), e.g. to give every
-    method of that round the same new batch."""
+def interleaved_times(names: list[str], seconds: Callable[[str], float], rounds: int,
+                      before_round: Callable[[int], None] | None = None) -> dict[str, list[float]]:
+    """``{name: [seconds of each round]}`` over ``rounds`` rounds (the warm-up round dropped);
+    ``seconds(name)`` times one step of ``name``. ``before_round(r)``, if given, runs before round
+    ``r`` (0: the warm-up), e.g. to give every method of that round the same new batch."""
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(rounds + 1):
         if before_round is not None:
@@ -43,4 +43,23 @@ def interleaved_medians(names: list[str], seconds: Callable[[str], float], round
             dt = seconds(name)
             if r:
                 times[name].append(dt)
+    return times
+
+
+def interleaved_medians(names: list[str], seconds: Callable[[str], float], rounds: int,
+                        before_round: Callable[[int], None] | None = None) -> dict[str, float]:
+    """``{name: median seconds}`` of :func:`interleaved_times`."""
+    times = interleaved_times(names, seconds, rounds, before_round)
     return {n: statistics.median(v) for n, v in times.items()}
+
+
+def round_ratios(times: dict[str, list[float]], ref: str) -> dict[str, tuple[float, float, float]]:
+    """``{name: (median, first quartile, third quartile)}`` of each round's ratio to ``ref``'s time
+    in the same round. Machine load that drifts over minutes moves both steps of a round alike,
+    so these ratios spread less than the ratio of two medians taken over all rounds."""
+    out = {}
+    for name, ts in times.items():
+        ratios = sorted(t / r for t, r in zip(ts, times[ref]))
+        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        out[name] = (statistics.median(ratios), q[0], q[2])
+    return out

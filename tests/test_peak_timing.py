@@ -8,7 +8,7 @@ import torch
 
 from hf_division import fused, suites
 from hf_division.peak import MALLOC_ENV, forked, run_clean, step_peak
-from hf_division.timing import interleaved_medians, timed
+from hf_division.timing import interleaved_medians, round_ratios, timed
 
 
 def test_interleaved_medians_rotate_and_drop_the_warm_up_round():
@@ -24,6 +24,15 @@ def test_interleaved_medians_rotate_and_drop_the_warm_up_round():
     interleaved_medians(["a", "b"], lambda name: log.append(name) or 1.0, 1, before_round=log.append)
     assert log == [0, "a", "b", 1, "b", "a"]
     assert 0 <= timed(lambda: None) < 1
+
+
+def test_round_ratios_compare_steps_of_the_same_round():
+    # the machine slows down in rounds 3-4: both methods' steps grow, their ratio does not
+    times = {"base": [1.0, 1.0, 2.0, 2.0, 1.0], "div": [1.1, 1.2, 2.2, 2.4, 1.0]}
+    out = round_ratios(times, "base")
+    assert out["base"] == (1.0, 1.0, 1.0)
+    med, q1, q3 = out["div"]
+    assert med == pytest.approx(1.1) and q1 <= med <= q3 and q3 == pytest.approx(1.2)
 
 
 def test_step_peak_sees_a_step_s_transient_allocation():
@@ -67,7 +76,7 @@ GLUE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "glu
 
 
 @pytest.mark.parametrize("extra", [[], ["--profile", "--top", "3"], ["--token-chunks", "4096"],
-                                   ["--glue-dir", GLUE, "--task", "mrpc"]])
+                                   ["--glue-dir", GLUE, "--task", "mrpc"], ["--model", "tiny-llama"]])
 def test_step_time_suite(extra, capsys):
     chunk = fused.TOKEN_CHUNK
     suites.run("step-time", ["--batch", "2", "--seq", "16", "--rounds", "1", "--threads", "1",
@@ -82,6 +91,8 @@ def test_step_time_suite(extra, capsys):
             assert re.search(r"mrpc train batches of 2, padded per batch to \d+-16 tokens", out), out
         assert fused.TOKEN_CHUNK == chunk  # restored after the run
         assert set(rows) == {"baseline", "division", "checkpointing"} | chunked and rows["baseline"] == 1.0
+        assert ("tiny Llama" if "--model" in extra else "all-MiniLM-L6-v2") in out.splitlines()[0]
+        assert re.search(r"^division\s+[\d.]+\s+[\d.]+\s+[\d.]+ \[[\d.]+-[\d.]+\]$", out, re.M), out
 
 
 def test_step_time_suite_real_batches_vary_and_bad_task_is_named():

@@ -1,13 +1,15 @@
 """Training step time: baseline vs division vs activation checkpointing, interleaved, medians.
 
 python -m hf_division.suites step-time [--batch 32 --seq 128 --rounds 7] [--attn sdpa] [--division_<field> V ...]
+python -m hf_division.suites step-time --model bert-base-4l   # or llama-4l: the random-init shapes of hf_division.zoo
 python -m hf_division.suites step-time --profile [--top 25]   # where the time goes: torch.profiler, per op
 python -m hf_division.suites step-time --token-chunks 1048576 4194304   # one division arm per compiled chunk size
 python -m hf_division.suites step-time --glue-dir ../shared/data/glue --task mrpc   # real batches, padded per batch
 
-Real MiniLM-L6. Each round times one step (forward + backward) of every method in turn, so
-machine noise hits all methods alike; the report gives each method's median and its ratio to
-the baseline's median. The batch is ``--batch`` random tokens x ``--seq``, or, with ``--task``,
+Real MiniLM-L6 by default. Each round times one step (forward + backward) of every method in
+turn, so machine noise hits all methods alike; the report gives each method's median, its ratio
+to the baseline's median, and the median (and quartiles) of the ratio to the baseline's step of
+the same round, which load drifting over minutes moves less. The batch is ``--batch`` random tokens x ``--seq``, or, with ``--task``,
 a new batch of that GLUE task's training rows each round, padded to its longest sequence (at most
 ``--seq``) as the Trainer's collator pads them: shapes vary from step to step, as in a real run.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 
 import torch
 from transformers import HfArgumentParser
@@ -23,8 +26,8 @@ from ..config import DivisionConfig
 from .. import fused
 from ..glue import collated_batches, get_task
 from ..api import apply_division
-from ..timing import interleaved_medians, timed
-from ..zoo import build_classifier, minilm_tokenizer
+from ..timing import interleaved_times, round_ratios, timed
+from ..zoo import DESCRIPTION, SHAPES, build_classifier, minilm_tokenizer
 
 
 def step(model, batch) -> None:
@@ -34,6 +37,7 @@ def step(model, batch) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m hf_division.suites step-time", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="minilm", choices=["minilm", *SHAPES], help="real MiniLM or a random-init shape")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=7)
@@ -50,7 +54,7 @@ def main(argv=None):
         ap.error(f"--task {args.task}: needs --glue-dir and a two-label task (the classifier has two labels)")
     (dc,) = HfArgumentParser(DivisionConfig).parse_args_into_dataclasses([a.replace("--division_", "--") for a in rest])
     torch.set_num_threads(args.threads)
-    base = build_classifier("minilm", args.attn)
+    base = build_classifier(args.model, args.attn)
     methods = {"baseline": base, "division": apply_division(copy.deepcopy(base), dc)}
     ckpt = copy.deepcopy(base)
     ckpt.activation_checkpointing_enable()
@@ -72,14 +76,23 @@ def main(argv=None):
         return dt
 
     try:
-        med = interleaved_medians(list(methods), seconds, args.rounds,
+        times = interleaved_times(list(methods), seconds, args.rounds,
                                   before_round=lambda r: current.update(batch=batches[r % len(batches)]))
     finally:
         fused.TOKEN_CHUNK = chunks["division"]
-    print(f"MiniLM-L6, {describe(args, batches)}, attn {args.attn}, {args.rounds} interleaved rounds, {args.threads} threads")
-    print(f"{'method':<22} {'median s':>9} {'ratio':>6}")
+    report(args, batches, times)
+
+
+def report(args, batches, times: dict) -> None:
+    """One row per method: median seconds, ratio of medians, per-round ratio median [quartiles]."""
+    med = {k: statistics.median(v) for k, v in times.items()}
+    per_round = round_ratios(times, "baseline")
+    print(f"{DESCRIPTION[args.model]}, {describe(args, batches)}, attn {args.attn}, {args.rounds} interleaved rounds, "
+          f"{args.threads} threads")
+    print(f"{'method':<22} {'median s':>9} {'ratio':>6}  {'per-round ratio [quartiles]':>28}")
     for k, v in med.items():
-        print(f"{k:<22} {v:>9.3f} {v / med['baseline']:>6.2f}")
+        r, q1, q3 = per_round[k]
+        print(f"{k:<22} {v:>9.3f} {v / med['baseline']:>6.2f}  {r:>10.3f} [{q1:.3f}-{q3:.3f}]")
 
 
 
