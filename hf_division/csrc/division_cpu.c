@@ -20,7 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define TILE 64 /* channels per work item: a group's tile (G x TILE floats) stays in L2 between the passes */
+#define TILE 128 /* channels per encode work item: a group's tile (G x TILE floats) stays in L2 between the passes */
+#define DECODE_TILE 256 /* channels per decode work item: one pass, longer rows per loop */
 
 enum { LFC_NONE = 0, LFC_BF16 = 1, LFC_F32 = 2 };
 
@@ -252,17 +253,17 @@ void hfd_encode_tokens(const float *x, int64_t m, int64_t t, int64_t c, int64_t 
 static void decode_tile(const Shape *s, float *out, int64_t g, int64_t j0, const void *lfc, const uint16_t *lo_bits,
                         const uint16_t *scale_bits, const uint8_t *codes) {
     int64_t t0 = g * s->group, gt = s->n - t0 < s->group ? s->n - t0 : s->group, C = s->c;
-    int64_t tj = C - j0 < TILE ? C - j0 : TILE;
+    int64_t tj = C - j0 < DECODE_TILE ? C - j0 : DECODE_TILE;
     Codes layout = code_layout(gt, s->bits);
     const uint8_t *group_codes = codes + group_offset(s, g);
     uint32_t mask = (1u << s->bits) - 1;
-    float lo[TILE], step[TILE], lf[TILE];
+    float lo[DECODE_TILE], step[DECODE_TILE], lf[DECODE_TILE];
     for (int64_t j = 0; j < tj; j++) {
         lo[j] = float_of((uint32_t)lo_bits[g * C + j0 + j] << 16);
         step[j] = float_of((uint32_t)scale_bits[g * C + j0 + j] << 16);
     }
     for (int64_t u = 0; u < layout.rows; u++) {
-        uint32_t w[TILE];
+        uint32_t w[DECODE_TILE];
         if (layout.word32)
             for (int64_t j = 0; j < tj; j++) w[j] = ((const uint32_t *)group_codes)[u * C + j0 + j];
         else
@@ -294,10 +295,10 @@ void hfd_decode_tokens(float *out, int64_t m, int64_t t, int64_t c, int64_t bloc
     int64_t *row_map;
     Shape s = make_shape(m, t, c, block, group, bits, lfc_kind, 1, &row_map);
     s.row_scale = row_scale;
-    int64_t groups = (s.n + group - 1) / group, tiles = (c + TILE - 1) / TILE;
+    int64_t groups = (s.n + group - 1) / group, tiles = (c + DECODE_TILE - 1) / DECODE_TILE;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t item = 0; item < groups * tiles; item++)
-        decode_tile(&s, out, item / tiles, item % tiles * TILE, lfc, lo, scale, codes);
+        decode_tile(&s, out, item / tiles, item % tiles * DECODE_TILE, lfc, lo, scale, codes);
     free(row_map);
 }
 

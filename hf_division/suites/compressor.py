@@ -3,8 +3,9 @@
 python -m hf_division.suites compressor [--threads 2]
 
 Times (median of 7) for a (32, 128, 1536) float32 tensor: compress/decompress with DIVISION's
-token groups (4 bits, LFC over 16 tokens) and ActNN's flat groups (2 bits), eager and fused
-(torch.compile over cache-sized chunks); the token kernel compiled whole in one call with static
+token groups (4 bits, LFC over 16 tokens, and without LFC as BERT-family encoders store them) and
+ActNN's flat groups (2 bits), eager, fused (torch.compile over cache-sized chunks) and with the
+native CPU kernels (token groups); the token kernel compiled whole in one call with static
 and dynamic shapes (why chunks); and the random sources: torch.rand_like, our 16-bit noise, and
 bernoulli_ (dropout's draw); dropout-mask bits: packing a float 0/1 draw through an integer view
 against comparing it with 0 first, unpacking by a table-row gather against a shift per bit plane.
@@ -17,6 +18,7 @@ import time
 
 import torch
 
+from .. import native
 from ..compressor import compress, decompress, set_fused
 from ..quant import encode_tokens, noise_words, pack_mask, uniform, unpack_bits, unpack_mask
 from .common import set_threads
@@ -33,15 +35,25 @@ def timeit(fn, k=7):
 
 
 def compressor_times(x) -> dict:
-    """compress/decompress seconds per grouping, eager and fused."""
+    """compress/decompress seconds per grouping: eager, fused (torch.compile) and, for token
+    groups, the native CPU kernels (hf_division.native; the default on the CPU)."""
     rows = {}
-    for name, kw in (("division, tokens", dict(bits=4, block_size=16)), ("actnn, flat", dict(bits=2, grouping="flat"))):
-        p = compress(x, **kw)
-        for fused in (False, True):
+    kernels = {"eager": (False, False), "fused": (False, True), "native": (True, True)}
+    for name, kw in (("division, tokens", dict(bits=4, block_size=16)), ("division, tokens, no LFC", dict(bits=4, block_size=1)),
+                     ("actnn, flat", dict(bits=2, grouping="flat"))):
+        for how, (use_native, fused) in kernels.items():
+            if how == "native" and ("flat" in name or native.kernels() is None):
+                continue
+            native.set_native(use_native)
             set_fused(fused)
-            compress(x, **kw), decompress(p)  # warm-up (compiles the chunk kernels when fused)
-            rows[f"compress ({name}, fused={fused})"] = timeit(lambda: compress(x, **kw))
-            rows[f"decompress ({name}, fused={fused})"] = timeit(lambda: decompress(p))
+            try:
+                p = compress(x, **kw)
+                decompress(p)  # warm-up (compiles the chunk kernels when fused)
+                rows[f"compress ({name}, {how})"] = timeit(lambda: compress(x, **kw))
+                rows[f"decompress ({name}, {how})"] = timeit(lambda: decompress(p))
+            finally:
+                native.set_native(True)
+                set_fused(True)
     return rows
 
 
