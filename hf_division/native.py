@@ -36,6 +36,10 @@ FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11
 #: LFC kinds of the C side (``enum`` in the source)
 LFC_KIND = {None: 0, torch.bfloat16: 1, torch.float32: 2}
 
+#: elements below which a kernel runs on one thread, as ATen's parallel loops do below their grain
+#: size: waking the other threads costs more than the work (and far more on a busy machine)
+GRAIN = 32768
+
 _state: dict = {"enabled": os.environ.get("HF_DIVISION_NATIVE", "1") != "0", "lib": None, "tried": False}
 _lock = threading.Lock()
 
@@ -139,6 +143,10 @@ def _ptr(t: torch.Tensor | None):
     return None if t is None else t.data_ptr()
 
 
+def _threads(numel: int) -> int:
+    return torch.get_num_threads() if numel >= GRAIN else 1
+
+
 def encode_tokens(x3: torch.Tensor, codes, lfc, lo, scale, seed: int | None, bits: int, block: int, group: int,
                   row_scale: torch.Tensor | None = None) -> None:
     """Fill ``codes``, ``lfc`` (None: no LFC), ``lo`` and ``scale`` from ``x3`` ``(M, T, C)`` float32,
@@ -150,7 +158,7 @@ def encode_tokens(x3: torch.Tensor, codes, lfc, lo, scale, seed: int | None, bit
     kind = LFC_KIND[None if lfc is None else lfc.dtype]
     kernels().hfd_encode_tokens(_ptr(x), m, t, c, block, group, bits, kind, _ptr(lfc), _ptr(lo), _ptr(scale),
                                 _ptr(codes), seed is not None, (seed or 0) & 0xFFFFFFFF, _ptr(_rows(row_scale, m * t)),
-                                torch.get_num_threads())
+                                _threads(m * t * c))
 
 
 def _rows(row_scale: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -169,17 +177,18 @@ def decode_tokens(out: torch.Tensor, codes, lfc, lo, scale, bits: int, block: in
     m, t, c = out.shape
     kind = LFC_KIND[None if lfc is None else lfc.dtype]
     kernels().hfd_decode_tokens(_ptr(out), m, t, c, block, group, bits, kind, _ptr(lfc), _ptr(lo), _ptr(scale),
-                                _ptr(codes), _ptr(_rows(row_scale, m * t)), torch.get_num_threads())
+                                _ptr(codes), _ptr(_rows(row_scale, m * t)), _threads(m * t * c))
 
 
 def pack_mask(mask: torch.Tensor) -> tuple[torch.Tensor, int]:
     """:func:`hf_division.quant.pack_mask` (the same bits), in one pass where the native kernels
     take ``mask`` (a contiguous CPU tensor), else by the tensor code."""
-    if not (mask.device.type == "cpu" and mask.is_contiguous() and kernels() is not None):
+    if not (mask.device.type == "cpu" and mask.is_contiguous() and mask.element_size() in (1, 2, 4, 8)
+            and kernels() is not None):
         return quant_pack_mask(mask)
     n = mask.numel()
     bits = torch.empty(-(-n // 8), dtype=torch.uint8)
-    kernels().hfd_pack_nonzero(_ptr(mask), n, mask.element_size(), _ptr(bits), torch.get_num_threads())
+    kernels().hfd_pack_nonzero(_ptr(mask), n, mask.element_size(), _ptr(bits), _threads(n))
     return bits, n
 
 
@@ -191,5 +200,5 @@ def masked_scale(grad: torch.Tensor, bits: torch.Tensor, n: int, shape, dtype: t
         return grad * unpack_mask(bits, n, shape, dtype, divisor).to(grad.dtype)
     value = bit_table(grad.device, dtype, float(divisor))[1, 0].item()  # the tensor code's kept value, to the bit
     out = torch.empty_like(grad)
-    kernels().hfd_masked_scale(_ptr(grad), _ptr(bits), value, _ptr(out), n, torch.get_num_threads())
+    kernels().hfd_masked_scale(_ptr(grad), _ptr(bits), value, _ptr(out), n, _threads(n))
     return out

@@ -20,7 +20,7 @@ from .once import first_order
 from .native import masked_scale, pack_mask
 from .quant import unpack_mask
 from .sdpa_backward import GradientOnlySDPA
-from .store import Entry, derive, keep, lookup, recomputing
+from .store import Entry, bookkeeping, derive, keep, lookup, recomputing
 
 _AMP_DEVICES = ("cpu", "cuda")
 
@@ -175,13 +175,19 @@ class DropoutFn(torch.autograd.Function):
             keep_mask = torch.empty_like(x).bernoulli_(1 - p)
             keep_mask.div_(1 - p)  # the noise tensor: kept values 1 / (1 - p), dropped ones 0
             out = x * keep_mask
+        DropoutFn.hold(ctx, x, p, keep_mask, out)
+        return out
+
+    @staticmethod
+    @bookkeeping
+    def hold(ctx, x, p: float, keep_mask, out) -> None:
+        """Keep the mask as bits; ``out`` becomes derivable from ``x``'s entry where ``x`` is held."""
         ctx.bits, ctx.n = pack_mask(keep_mask)
         ctx.shape, ctx.p, ctx.dtype = x.shape, p, x.dtype
         account_tensors([ctx.bits], "dropout")
         parent = lookup(x)
         if parent is not None:
             derive(out, (parent,), lambda t, c=ctx: DropoutFn.noise_times(c, t), extra=[ctx.bits])
-        return out
 
     @staticmethod
     def noise_times(ctx, t: torch.Tensor) -> torch.Tensor:
@@ -223,6 +229,13 @@ class DropoutMasks(TorchDispatchMode):
     several times cheaper than redrawing them from a restored RNG state (docs/DESIGN.md,
     "Mechanism: custom autograd Functions at module level").
     """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # PyTorch wraps a mode's __torch_dispatch__ in torch._disable_dynamo unless this says False:
+        # about 25 us per op, most of the attention's cost at short sequences. Dynamo never reaches
+        # this mode: it runs inside AttentionFn, which torch.compile does not trace (bottom of file).
+        return False
 
     def __init__(self, replay: list | None = None):
         super().__init__()

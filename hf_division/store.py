@@ -139,6 +139,29 @@ def exact():
         yield
 
 
+# ----------------------------------------------------------------------------- bookkeeping
+_DISABLE_TORCH_FUNCTION = getattr(torch._C, "DisableTorchFunction", None)
+
+
+def bookkeeping(fn: Callable) -> Callable:
+    """``fn`` (division's own tensor code: compressing, packing bits, registering) run with
+    ``__torch_function__`` handling off. The patched forward runs under a ``TorchFunctionMode``
+    (:class:`hf_division.ops.BitDropout`), whose Python handler every torch call would otherwise
+    go through; it routes nothing here (it routes only dropout, and a Function's forward runs with
+    grad off), and a compressed copy does not depend on any other mode (e.g. a default-device
+    context: this code places every tensor itself). It made the forward's compression cost about
+    three times its kernels at small sizes (docs/DESIGN.md, "Mechanism")."""
+    if _DISABLE_TORCH_FUNCTION is None:
+        return fn
+
+    def run(*args, **kwargs):
+        with _DISABLE_TORCH_FUNCTION():
+            return fn(*args, **kwargs)
+
+    run.__name__, run.__doc__, run.__wrapped__ = fn.__name__, fn.__doc__, fn
+    return run
+
+
 # ----------------------------------------------------------------------------- registry
 _live: dict[int, tuple[weakref.ref, int, Entry]] = {}
 
@@ -166,6 +189,7 @@ def register(t: torch.Tensor, entry: Entry) -> None:
     _live[key] = (weakref.ref(t, _drop), t._version, entry)
 
 
+@bookkeeping
 def keep(t: torch.Tensor, kind: str, config: DivisionConfig, exact_sign: bool = False) -> Entry:
     """The entry holding ``t`` for one more consumer: reused if ``t`` is already held.
 
@@ -212,6 +236,7 @@ def _keep_row_scaled(t: torch.Tensor, kind: str, config: DivisionConfig) -> Entr
     return lookup(t)
 
 
+@bookkeeping
 def keep_mask(t: torch.Tensor, kind: str = "attention") -> Entry | None:
     """The entry holding the attention mask ``t`` as 1 bit per element for one more consumer
     (reused if ``t`` is already held: every layer of a forward gets the same mask), or None to hold
@@ -263,6 +288,7 @@ def _mask_recipe(t: torch.Tensor) -> Callable | None:
     return rebuild
 
 
+@bookkeeping
 def derive(t: torch.Tensor, parents: tuple, fn: Callable, extra=()) -> None:
     """Declare that ``t == fn(*parents)`` so a later consumer of ``t`` stores nothing new."""
     entry = Entry(parents[0].kind, parents=parents, fn=fn, extra=extra)
