@@ -75,11 +75,23 @@ class LinearFn(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None
 
 
+_SHARED = {"enabled": True}
+
+
+def share_recomputation(enabled: bool) -> None:
+    """Norms and gated MLPs reuse in backward what the rebuild of their output computed (default),
+    or recompute it on their own (what the sharing is tested against)."""
+    _SHARED["enabled"] = bool(enabled)
+
+
 class RecomputeFn(torch.autograd.Function):
     """``y = fn(x)`` for an elementwise/normalization ``fn`` with parameters ``params``.
 
     Keeps ``x`` compressed; backward recomputes ``fn`` on the rebuilt ``x`` under autograd.
     ``y`` is declared derivable from the same copy, so the next layer saving ``y`` adds nothing.
+    With parameters (a norm), the rebuild of ``y`` for the next layer records that recomputation
+    and the backward reuses it: one normalization in backward instead of two, the same graph
+    (``tests/test_fast_backward.py``).
     """
 
     @staticmethod
@@ -87,25 +99,46 @@ class RecomputeFn(torch.autograd.Function):
         y = fn(x)
         ctx.fn, ctx.entry, ctx.amp = fn, keep(x, kind, config, exact_sign), autocast_state()
         ctx.save_for_backward(*params)
-        derive(y, (ctx.entry,), _no_grad(fn, ctx.amp))
+        ctx.graph = {}
+        shared = params and _SHARED["enabled"]
+        rebuild = _recorded(fn, ctx.amp, ctx.needs_input_grad[4], ctx.graph) if shared else _no_grad(fn, ctx.amp)
+        derive(y, (ctx.entry,), rebuild)
         return y
 
     @staticmethod
     @first_order
     def backward(ctx, grad):
         params = ctx.saved_tensors
+        recorded = ctx.graph.pop("xy", None)
         x = ctx.entry.take().detach().requires_grad_(ctx.needs_input_grad[4])
+        if recorded is not None:  # the rebuild of y ran fn on this same rebuilt x under autograd
+            x, y = recorded
         wanted = [t for t, need in zip((x, *params), ctx.needs_input_grad[4:]) if need]
         grads = iter(())
         direct = elementwise_grad(ctx.fn) if not params else None
         if direct is not None and wanted:  # the activation's own derivative: no forward recomputed
             grads = iter((direct(grad, x.detach()),))
         elif wanted:
-            with torch.enable_grad(), autocast_as(ctx.amp):
-                y = ctx.fn(x)
+            if recorded is None:
+                with torch.enable_grad(), autocast_as(ctx.amp):
+                    y = ctx.fn(x)
             grads = iter(torch.autograd.grad(y, wanted, grad, allow_unused=True))
         out = [next(grads) if need else None for need in ctx.needs_input_grad[4:]]
         return (None, None, None, None, *out)
+
+
+def _recorded(fn: Callable, amp: tuple, needs_x: bool, graph: dict):
+    """``fn`` as a recipe for :func:`hf_division.store.derive` that runs under autograd and leaves
+    ``(x, y)`` with their graph in ``graph`` for :meth:`RecomputeFn.backward`; returns ``y`` detached."""
+
+    def run(x_hat):
+        x = x_hat.detach().requires_grad_(needs_x)
+        with torch.enable_grad(), autocast_as(amp):
+            y = fn(x)
+        graph["xy"] = (x, y)
+        return y.detach()
+
+    return run
 
 
 def elementwise_grad(fn: Callable):
@@ -137,6 +170,8 @@ class GatedFn(torch.autograd.Function):
 
     Keeps ``gate`` and ``up`` compressed (the product, which the down projection saves, is
     derived from them), recomputes ``act`` in backward. ``act``: the activation's own forward.
+    The product's rebuild leaves ``act(gate)`` for the backward, and SiLU's and GELU's gradient
+    comes from their ATen backward (what autograd calls), so ``act`` runs once in backward.
     """
 
     @staticmethod
@@ -144,14 +179,29 @@ class GatedFn(torch.autograd.Function):
         a = act(gate)
         h = up * a if up_first else a * up
         ctx.act, ctx.entries = act, (keep(gate, "activation", config), keep(up, "activation", config))
-        ctx.amp = autocast_state()
-        derive(h, ctx.entries, _no_grad(lambda g, u: u * act(g) if up_first else act(g) * u, ctx.amp))
+        ctx.amp, ctx.acts = autocast_state(), {}
+        acts, amp = ctx.acts, ctx.amp
+
+        def product(g, u):
+            with torch.no_grad(), autocast_as(amp):
+                a = acts["a"] = act(g)
+                return u * a if up_first else a * u
+
+        derive(h, ctx.entries, product)
         return h
 
     @staticmethod
     @first_order
     def backward(ctx, grad):
         gate, up = (e.take() for e in ctx.entries)
+        a = ctx.acts.pop("a", None)
+        direct = elementwise_grad(ctx.act) if _SHARED["enabled"] else None
+        if direct is not None and not any(on for _, on, _ in ctx.amp):
+            if a is None and ctx.needs_input_grad[4]:
+                a = _no_grad(ctx.act, ctx.amp)(gate)
+            g_up = grad * a if ctx.needs_input_grad[4] else None
+            g_gate = direct(grad * up, gate) if ctx.needs_input_grad[3] else None
+            return None, None, None, g_gate, g_up
         gate = gate.detach().requires_grad_(True)
         with torch.enable_grad(), autocast_as(ctx.amp):
             a = ctx.act(gate)

@@ -141,3 +141,37 @@ def test_layer_norm_direct_backward_is_the_recomputation_to_the_bit(frozen_linea
         grads[fast] = flat_grad(model, batch, 0)
     assert len(calls) == 2 * model.config.num_hidden_layers + 1  # every LayerNorm, embeddings' included
     assert torch.equal(grads[True], grads[False]) and grads[True].abs().sum() > 0
+
+
+def test_norm_and_gated_mlp_run_once_in_backward_with_the_same_gradient(monkeypatch):
+    """RMSNorm (RecomputeFn with parameters): the rebuild of its output for the next layer records
+    the recomputation and the norm's backward reuses it; the gated MLP's product rebuild leaves
+    act(gate) and SiLU's gradient comes from silu_backward. Each runs once per backward where
+    it ran twice, and the gradient is the same to the bit."""
+    from transformers.models.llama import modeling_llama
+
+    from hf_division import ops
+
+    calls = {"norm": 0, "silu": 0}
+    norm, silu = modeling_llama.LlamaRMSNorm.forward, F.silu  # counted where they are looked up at call time
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", lambda self, x: calls.__setitem__("norm", calls["norm"] + 1) or norm(self, x))
+    monkeypatch.setattr(F, "silu", lambda x, inplace=False: calls.__setitem__("silu", calls["silu"] + 1) or silu(x, inplace))
+    batch = tiny_batch(pad_from=[64, 50, 64, 33])
+    grads, counts = {}, {}
+    for shared in (True, False):
+        ops.share_recomputation(shared)  # off: recompute without a graph, SiLU's gradient through autograd
+        try:
+            model = tiny_model("llama", "sdpa")
+            hd.apply_division(model, hd.DivisionConfig(rounding="nearest", min_numel=0))
+            model.zero_grad()
+            out = model(**batch)
+            before = dict(calls)
+            out.loss.backward()
+        finally:
+            ops.share_recomputation(True)
+        counts[shared] = (calls["norm"] - before["norm"], calls["silu"] - before["silu"])
+        grads[shared] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    layers = model.config.num_hidden_layers
+    assert counts[True] == (2 * layers + 1, layers)  # two norms a layer + the final one; one MLP a layer
+    assert counts[False] == (2 * counts[True][0], 2 * layers)
+    assert torch.equal(grads[True], grads[False]) and grads[True].abs().sum() > 0
