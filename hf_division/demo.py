@@ -47,6 +47,7 @@ def main(argv=None):
         output_dir=args.output_dir, division=True, num_train_epochs=args.epochs,
         per_device_train_batch_size=args.batch_size, per_device_eval_batch_size=64, learning_rate=5e-5,
         logging_steps=20, save_strategy="no", report_to=[], seed=0, disable_tqdm=True,
+        dataloader_pin_memory=torch.cuda.is_available(),  # pinning has no use without an accelerator
     )
     # exact bytes held for backward on one full-length training batch
     sample = classification_batch(tok, train_rows, args.batch_size, args.max_length)
