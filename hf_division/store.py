@@ -149,8 +149,8 @@ def bookkeeping(fn: Callable) -> Callable:
     (:class:`hf_division.ops.BitDropout`), whose Python handler every torch call would otherwise
     go through; it routes nothing here (it routes only dropout, and a Function's forward runs with
     grad off), and a compressed copy does not depend on any other mode (e.g. a default-device
-    context: this code places every tensor itself). It made the forward's compression cost about
-    three times its kernels at small sizes (docs/DESIGN.md, "Mechanism")."""
+    context: this code places every tensor itself). At small sizes that handler outweighed the
+    kernels (docs/DESIGN.md, "Mechanism")."""
     if _DISABLE_TORCH_FUNCTION is None:
         return fn
 
