@@ -44,9 +44,11 @@ _state: dict = {"enabled": os.environ.get("HF_DIVISION_NATIVE", "1") != "0", "li
 _lock = threading.Lock()
 
 
-def set_native(enabled: bool) -> None:
-    """Use the native CPU kernels where they apply (default) or the ``torch.compile``/eager ones."""
-    _state["enabled"] = bool(enabled)
+def set_native(enabled: bool) -> bool:
+    """Use the native CPU kernels where they apply (default) or the ``torch.compile``/eager ones;
+    returns the former setting, to restore (``HF_DIVISION_NATIVE=0`` sets it off at import)."""
+    former, _state["enabled"] = _state["enabled"], bool(enabled)
+    return former
 
 
 def kernels() -> ctypes.CDLL | None:

@@ -196,9 +196,9 @@ def test_nonfinite_propagates():
 @pytest.fixture
 def torch_kernels():
     """The compressor's torch kernels, not the native CPU ones (hf_division.native)."""
-    native.set_native(False)
+    former = native.set_native(False)
     yield
-    native.set_native(True)
+    native.set_native(former)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])

@@ -14,13 +14,13 @@ def both(x, **kw):
     """``{native: (Packed, rebuilt)}`` for the native kernels and the eager tensor code."""
     out = {}
     for use in (True, False):
-        native.set_native(use)
+        former = native.set_native(use)
         set_fused(use)  # the reference is the eager tensor code, not a compiled copy of it
         try:
             p = compress(x, generator=torch.Generator().manual_seed(3), **kw)
             out[use] = (p, decompress(p))
         finally:
-            native.set_native(True)
+            native.set_native(former)
             set_fused(True)
     return out[True], out[False]
 
@@ -109,13 +109,13 @@ def test_built_once_then_loaded_from_the_cache(tmp_path):
 
 def test_disabled_native_kernels_fall_back_to_the_tensor_code():
     x = torch.randn(2, 64, 32)
-    native.set_native(False)
+    former = native.set_native(False)
     set_fused(False)  # eager: the compiled copy of the same code is tested in test_compressor.py
     try:
         assert not native.applies(x.device, None)
         y = decompress(compress(x, bits=8, block_size=1, group_size=32))
     finally:
-        native.set_native(True)
+        native.set_native(former)
         set_fused(True)
     assert native.applies(x.device, None) and (y - x).abs().max() < 0.1
 
@@ -155,11 +155,11 @@ def test_row_scaled_is_dividing_first_and_multiplying_after(block):
         assert torch.equal(a, b)
     assert fused.row_scale is rms and fused.nbytes == plain.nbytes + rms.numel() * 4
     assert torch.equal(decompress(fused), decompress(plain) * rms)
-    native.set_native(False)  # a Packed built natively still rebuilds through the tensor code
+    former = native.set_native(False)  # a Packed built natively still rebuilds through the tensor code
     try:
         assert torch.equal(decompress(fused), decompress(plain) * rms)
     finally:
-        native.set_native(True)
+        native.set_native(former)
 
 
 def test_row_scaled_declines_what_it_cannot_fuse():

@@ -44,7 +44,7 @@ def compressor_times(x) -> dict:
         for how, (use_native, fused) in kernels.items():
             if how == "native" and ("flat" in name or native.kernels() is None):
                 continue
-            native.set_native(use_native)
+            former = native.set_native(use_native)
             set_fused(fused)
             try:
                 p = compress(x, **kw)
@@ -52,7 +52,7 @@ def compressor_times(x) -> dict:
                 rows[f"compress ({name}, {how})"] = timeit(lambda: compress(x, **kw))
                 rows[f"decompress ({name}, {how})"] = timeit(lambda: decompress(p))
             finally:
-                native.set_native(True)
+                native.set_native(former)
                 set_fused(True)
     return rows
 
