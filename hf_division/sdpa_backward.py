@@ -65,27 +65,29 @@ def _sdpa_grads_block(q, k, v, dout, attn_mask=None, keep=None, dropout_p=0.0, i
     ``enable_gqa``: ``H`` a multiple of ``Hk`` (query head i uses kv head ``i // (H // Hk)``).
     Computed in float32; the gradients come back in the input dtypes.
     """
-    dtypes = q.dtype, k.dtype, v.dtype
-    q, k, v, dout = (t.float() for t in (q, k, v, dout))
+    dtypes, shape = (q.dtype, k.dtype, v.dtype), q.shape
     rep = q.shape[-3] // k.shape[-3]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    # contiguous once: each product below would otherwise copy a strided (B, T, H, d) view again
+    q, dout = _fold_heads(q.float(), rep), _fold_heads(dout.float(), rep)
+    k, v = k.float().contiguous(), v.float().contiguous()
+    scale = 1.0 / math.sqrt(shape[-1]) if scale is None else scale
     s = torch.matmul(q * scale, k.transpose(-2, -1))  # scaling q: a T x d pass, not T x T
     if is_causal:
-        tq, tk = s.shape[-2:]
-        s.masked_fill_(torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
+        tq, tk = shape[-2], s.shape[-1]
+        s.masked_fill_(_fold_mask(torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu_(1), rep, tq), float("-inf"))
+    whole_rows = _may_mask_whole_rows(attn_mask, (shape[-2], k.shape[-2]))
     if attn_mask is not None:
+        attn_mask = _fold_mask(attn_mask, rep, shape[-2])
         if attn_mask.dtype == torch.bool:
             s.masked_fill_(attn_mask.logical_not(), float("-inf"))
         else:
             s.add_(attn_mask)
-    p = _safe_softmax(s) if _may_mask_whole_rows(attn_mask, s.shape[-2:]) else torch.softmax(s, -1)
+    p = _safe_softmax(s) if whole_rows else torch.softmax(s, -1)
     del s
     ds_scale = scale
     if keep is not None:  # out = (P * keep / (1 - p_drop)) @ V: the constant is folded into the products
         c = 1.0 / (1.0 - dropout_p)
-        keep = keep.to(p.dtype)  # once: two products with a uint8 mask would each convert it
+        keep = _fold_heads(keep, rep).to(p.dtype)  # once: two products with a uint8 mask would each convert it
         dv = torch.matmul((p * keep).transpose(-2, -1), dout).mul_(c)
         dp = torch.matmul(dout, v.transpose(-2, -1)).mul_(keep)
         ds_scale = scale * c
@@ -96,10 +98,28 @@ def _sdpa_grads_block(q, k, v, dout, attn_mask=None, keep=None, dropout_p=0.0, i
     del dp, p
     dq = torch.matmul(ds, k).mul_(ds_scale)
     dk = torch.matmul(ds.transpose(-2, -1), q).mul_(ds_scale)
-    if rep > 1:
-        dk = dk.unflatten(-3, (-1, rep)).sum(-3)
-        dv = dv.unflatten(-3, (-1, rep)).sum(-3)
+    dq = dq.reshape(shape)
     return dq.to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])
+
+
+def _fold_heads(t: torch.Tensor, rep: int) -> torch.Tensor:
+    """``(..., H, T, X)`` as ``(..., H // rep, rep * T, X)``, contiguous: the ``rep`` query heads
+    that share one key/value head (grouped-query attention) become one taller matrix, so each
+    product runs against that head's keys as they are (no repeated copies of k and v) and the
+    products ``dk``, ``dv`` sum over the group as they accumulate."""
+    return t.unflatten(-3, (-1, rep)).flatten(-3, -2).contiguous()
+
+
+def _fold_mask(mask: torch.Tensor, rep: int, tq: int) -> torch.Tensor:
+    """A mask broadcastable to ``(..., H, tq, Tk)`` laid out for :func:`_fold_heads`'s
+    ``(..., H // rep, rep * tq, Tk)``: its query rows repeated for each head of a group."""
+    if rep == 1 or mask.dim() < 2:
+        return mask
+    per_head = mask.dim() >= 3 and mask.shape[-3] > 1
+    if not per_head and mask.shape[-2] == 1:  # one row for every query: broadcasts as it is
+        return mask
+    grouped = mask.unflatten(-3, (-1, rep)) if per_head else mask.unsqueeze(-3)  # (..., G, rep or 1, tq or 1, Tk)
+    return grouped.expand(*grouped.shape[:-3], rep, tq, grouped.shape[-1]).flatten(-3, -2)
 
 
 class _Placeholder(torch.autograd.Function):

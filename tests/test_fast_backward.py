@@ -28,17 +28,30 @@ def _mask(kind, tq=24, tk=24):
         return m
     if kind == "float":
         return torch.randn(2, 1, tq, tk, generator=g)
+    if kind == "per_head":  # a different float bias per query head
+        return torch.randn(2, 4, tq, tk, generator=g)
+    if kind == "per_head_row":  # per head, one row for every query
+        return torch.randn(2, 4, 1, tk, generator=g)
+    if kind == "key_padding":  # (B, 1, 1, Tk) bool
+        m = torch.rand(2, 1, 1, tk, generator=g) > 0.3
+        m[..., 0] = True
+        return m
+    if kind == "2d":
+        return torch.randn(tq, tk, generator=g)
     return None
 
 
-@pytest.mark.parametrize("mask", [None, "bool", "float"])
+@pytest.mark.parametrize("mask", [None, "bool", "float", "per_head", "per_head_row", "key_padding", "2d"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("gqa", [False, True])
-def test_matches_autograd_of_sdpa(mask, causal, gqa):
+@pytest.mark.parametrize("tq", [24, 9])
+def test_matches_autograd_of_sdpa(mask, causal, gqa, tq):
+    """Every mask layout sdpa broadcasts, with grouped-query heads folded into taller matrices
+    (hf_division.sdpa_backward._fold_heads) and queries shorter than keys."""
     if mask and causal:
         pytest.skip("sdpa takes a mask or is_causal")
-    q, k, v, dout = _inputs(hk=2 if gqa else 4)
-    m = _mask(mask)
+    q, k, v, dout = _inputs(hk=2 if gqa else 4, tq=tq)
+    m = _mask(mask, tq=tq)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=causal, scale=0.3, enable_gqa=gqa)
     ref = torch.autograd.grad(out, (q, k, v), dout)
     got = sdpa_grads(q.detach(), k.detach(), v.detach(), dout, m, None, 0.0, causal, 0.3, gqa)
@@ -47,16 +60,18 @@ def test_matches_autograd_of_sdpa(mask, causal, gqa):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
-def test_dropout_keep_mask():
-    q, k, v, dout = _inputs()
+@pytest.mark.parametrize("gqa", [False, True])
+def test_dropout_keep_mask(gqa):
+    q, k, v, dout = _inputs(hk=2 if gqa else 4)
     m = _mask("bool")
     keep = (torch.rand(2, 4, 24, 24, generator=torch.Generator().manual_seed(2)) > 0.25).to(torch.uint8)
-    s = (q @ k.transpose(-2, -1)) * 0.3
+    kr, vr = (t.repeat_interleave(2, dim=1) if gqa else t for t in (k, v))
+    s = (q @ kr.transpose(-2, -1)) * 0.3
     s = s.masked_fill(~m, float("-inf"))
     p = torch.softmax(s, -1).nan_to_num(0.0)
-    out = (p * keep / 0.75) @ v
+    out = (p * keep / 0.75) @ vr
     ref = torch.autograd.grad(out, (q, k, v), dout)
-    got = sdpa_grads(q.detach(), k.detach(), v.detach(), dout, m, keep, 0.25, False, 0.3, False)
+    got = sdpa_grads(q.detach(), k.detach(), v.detach(), dout, m, keep, 0.25, False, 0.3, gqa)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
