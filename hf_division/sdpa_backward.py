@@ -73,8 +73,8 @@ def _sdpa_grads_block(q, k, v, dout, attn_mask=None, keep=None, dropout_p=0.0, i
     scale = 1.0 / math.sqrt(shape[-1]) if scale is None else scale
     s = torch.matmul(q * scale, k.transpose(-2, -1))  # scaling q: a T x d pass, not T x T
     if is_causal:
-        tq, tk = shape[-2], s.shape[-1]
-        s.masked_fill_(_fold_mask(torch.ones(tq, tk, dtype=torch.bool, device=s.device).triu_(1), rep, tq), float("-inf"))
+        above = torch.ones(shape[-2], k.shape[-2], dtype=torch.bool, device=s.device).triu_(1)
+        s.masked_fill_(_fold_mask(above, rep, shape[-2]), float("-inf"))
     whole_rows = _may_mask_whole_rows(attn_mask, (shape[-2], k.shape[-2]))
     if attn_mask is not None:
         attn_mask = _fold_mask(attn_mask, rep, shape[-2])
