@@ -15,6 +15,7 @@ compiler and the CPU, like inductor's own C++ cache. Where no compiler works, or
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -138,6 +139,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hfd_pack_nonzero.restype = None
     lib.hfd_masked_scale.argtypes = [p, p, ctypes.c_float, p, i64, i32]
     lib.hfd_masked_scale.restype = None
+    lib.hfd_bernoulli_bits.argtypes = [p, p, p, ctypes.c_double, i64, p]
+    lib.hfd_bernoulli_bits.restype = None
+    lib.hfd_unpack_value.argtypes = [p, ctypes.c_float, p, i64, i32]
+    lib.hfd_unpack_value.restype = None
     return lib
 
 
@@ -204,3 +209,74 @@ def masked_scale(grad: torch.Tensor, bits: torch.Tensor, n: int, shape, dtype: t
     out = torch.empty_like(grad)
     kernels().hfd_masked_scale(_ptr(grad), _ptr(bits), value, _ptr(out), n, _threads(n))
     return out
+
+
+# ----------------------------------------------------------------------------- dropout draws
+#: byte offsets in the CPU generator's serialized state (``torch.Generator.get_state``, ATen's
+#: CPUGeneratorImplStateLegacy): mt19937's ``left`` (int32), ``next`` (uint64), 624 state words (uint64)
+_LEFT, _NEXT, _WORDS = slice(8, 12), slice(16, 24), slice(24, 24 + 624 * 8)
+_STATE_BYTES = 5056
+_draws = {"enabled": os.environ.get("HF_DIVISION_NATIVE_DRAWS", "1") != "0"}
+
+
+def set_native_draws(enabled: bool) -> bool:
+    """Draw dropout masks with the native kernel where it gives ATen's draws (default) or with
+    ATen's ``bernoulli_`` (``HF_DIVISION_NATIVE_DRAWS=0`` at import); returns the former setting.
+    The step-time suite's ``--aten-draws`` arm times division without them."""
+    former, _draws["enabled"] = _draws["enabled"], bool(enabled)
+    return former
+
+
+def _draw_bits(state: torch.Tensor, p: float, n: int) -> torch.Tensor:
+    """``n`` Bernoulli(``p``) draws from a generator state (uint8, updated in place), as bits."""
+    bits = torch.empty(-(-n // 8), dtype=torch.uint8)
+    kernels().hfd_bernoulli_bits(_ptr(state[_WORDS]), _ptr(state[_LEFT]), _ptr(state[_NEXT]), float(p), n, _ptr(bits))
+    return bits
+
+
+@functools.lru_cache(maxsize=1)
+def draws_match_aten() -> bool:
+    """Whether :func:`bernoulli_bits` gives ATen's draws and stream in this process: checked once
+    on a private generator (the default one is not touched). False where ATen draws otherwise
+    (e.g. a build whose ``bernoulli_`` uses MKL's generator) or the state layout differs."""
+    if kernels() is None:
+        return False
+    g = torch.Generator().manual_seed(20261202)
+    for n, p in ((1000, 0.9), (2000, 0.5), (777, 1 / 3)):
+        state = g.get_state()
+        if state.numel() != _STATE_BYTES:
+            return False
+        bits = _draw_bits(state, p, n)
+        ours = unpack_mask(bits, n, (n,))
+        theirs = torch.empty(n).bernoulli_(p, generator=g).to(torch.uint8)
+        if not (torch.equal(ours, theirs) and torch.equal(state, g.get_state())):
+            return False
+    return True
+
+
+def draws_apply(target: torch.Tensor, p, generator=None) -> bool:
+    """Whether :func:`bernoulli_bits` can stand for ``target.bernoulli_(p, generator=generator)``:
+    a contiguous CPU tensor, a float ``p`` in [0, 1], the default generator, and the native draws
+    checked equal to ATen's here."""
+    return (_draws["enabled"] and generator is None and isinstance(p, float) and 0.0 <= p <= 1.0 and target.device.type == "cpu"
+            and target.is_contiguous() and target.numel() > 0 and draws_match_aten())
+
+
+def bernoulli_bits(n: int, p: float) -> torch.Tensor:
+    """The bits (:func:`hf_division.quant.pack_mask`'s layout) of ``torch.empty(n).bernoulli_(p)``
+    drawn from the default CPU generator, which advances as ATen's draw would advance it: the same
+    mask and the same stream after it (:func:`draws_match_aten` must hold), in one pass instead of
+    a draw and a pack."""
+    state = torch.get_rng_state()
+    bits = _draw_bits(state, p, n)
+    torch.set_rng_state(state)
+    return bits
+
+
+def fill_draws(target: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """``target`` (contiguous, CPU) filled with the 0/1 values of ``bits``, as ``bernoulli_`` fills it."""
+    n = target.numel()
+    if target.dtype == torch.float32:
+        kernels().hfd_unpack_value(_ptr(bits), 1.0, _ptr(target), n, _threads(n))
+        return target
+    return target.copy_(unpack_mask(bits, n, target.shape))

@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .accounting import account_tensors
 from .config import DivisionConfig
 from .once import first_order
-from .native import masked_scale, pack_mask
+from .native import bernoulli_bits, draws_apply, fill_draws, masked_scale, pack_mask
 from .quant import unpack_mask
 from .sdpa_backward import GradientOnlySDPA
 from .store import Entry, bookkeeping, derive, keep, lookup, recomputing
@@ -214,26 +214,44 @@ class DropoutFn(torch.autograd.Function):
     """``F.dropout(x, p, training=True)`` with the mask kept as 1 bit per element.
 
     Reproduces ATen's own arithmetic so the output is bit-identical: on CPU
-    ``x * bernoulli(1 - p) / (1 - p)``, elsewhere the fused ``native_dropout``.
+    ``x * bernoulli(1 - p) / (1 - p)``, elsewhere the fused ``native_dropout``. On CPU the draws
+    come as bits from the native kernel where it gives ATen's own (:func:`hf_division.native.bernoulli_bits`).
     """
 
     @staticmethod
     def forward(ctx, x, p: float):
+        ctx.shape, ctx.p, ctx.dtype = x.shape, p, x.dtype
         if x.is_cuda or x.device.type not in ("cpu", "meta"):
             out, keep_mask = torch.native_dropout(x, p, True)
+        elif draws_apply(x, 1 - p):
+            return DropoutFn.drawn_as_bits(ctx, x)
         else:
             keep_mask = torch.empty_like(x).bernoulli_(1 - p)
             keep_mask.div_(1 - p)  # the noise tensor: kept values 1 / (1 - p), dropped ones 0
             out = x * keep_mask
-        DropoutFn.hold(ctx, x, p, keep_mask, out)
+        DropoutFn.hold(ctx, x, keep_mask, out)
         return out
 
     @staticmethod
     @bookkeeping
-    def hold(ctx, x, p: float, keep_mask, out) -> None:
-        """Keep the mask as bits; ``out`` becomes derivable from ``x``'s entry where ``x`` is held."""
+    def drawn_as_bits(ctx, x) -> torch.Tensor:
+        """The CPU forward with ATen's draws made as bits by the native kernel: no 0/1 tensor to
+        draw element by element and pack (docs/DESIGN.md, "Dropout draws")."""
+        ctx.bits, ctx.n = bernoulli_bits(x.numel(), 1 - ctx.p), x.numel()
+        out = DropoutFn.noise_times(ctx, x)
+        DropoutFn.held(ctx, x, out)
+        return out
+
+    @staticmethod
+    @bookkeeping
+    def hold(ctx, x, keep_mask, out) -> None:
+        """Keep the mask as bits."""
         ctx.bits, ctx.n = pack_mask(keep_mask)
-        ctx.shape, ctx.p, ctx.dtype = x.shape, p, x.dtype
+        DropoutFn.held(ctx, x, out)
+
+    @staticmethod
+    def held(ctx, x, out) -> None:
+        """Account the bits; ``out`` becomes derivable from ``x``'s entry where ``x`` is held."""
         account_tensors([ctx.bits], "dropout")
         parent = lookup(x)
         if parent is not None:
@@ -301,6 +319,19 @@ class DropoutMasks(TorchDispatchMode):
         self.used += 1
         return unpack_mask(bits, n, shape)
 
+    def draw(self, func, args, kwargs) -> torch.Tensor:
+        """Run the draw ``func(*args, **kwargs)`` (``bernoulli_``) and record its bits; by the native
+        kernel where it gives ATen's own draws."""
+        bound = dict(zip(("self", "p", "generator"), args), **kwargs)
+        target, p = bound["self"], bound.get("p", 0.5)
+        if draws_apply(target, p, bound.get("generator")):
+            bits = bernoulli_bits(target.numel(), p)
+            self.masks.append((bits, target.numel()))
+            return fill_draws(target, bits)
+        out = func(*args, **kwargs)
+        self.masks.append(pack_mask(out))
+        return out
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.ops.aten.bernoulli_.float:
@@ -308,9 +339,7 @@ class DropoutMasks(TorchDispatchMode):
             mask = self.next_mask(target.shape)
             if mask is not None:
                 return target.copy_(mask)
-            out = func(*args, **kwargs)
-            self.masks.append(pack_mask(out))
-            return out
+            return self.draw(func, args, kwargs)
         return func(*args, **kwargs)
 
 

@@ -171,3 +171,107 @@ def test_row_scaled_declines_what_it_cannot_fuse():
     assert compress_row_scaled(x, rms, outlier_ratio=16.0, **args) is None
     assert compress_row_scaled(x.bfloat16(), rms, **args) is None
     assert compress_row_scaled(x.transpose(0, 1), rms.transpose(0, 1), **args) is None
+
+
+# ----------------------------------------------------------------------------- dropout draws
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**63 - 1), before=st.integers(0, 1400), n=st.integers(1, 2600),
+       p=st.one_of(st.sampled_from([0.0, 1.0, 0.9, 0.5, 1 / 3]), st.floats(0.0, 1.0)))
+def test_bernoulli_bits_are_atens_draws_and_stream(seed, before, n, p):
+    # any point of the engine's 624-word block (`before` words drawn first), sizes across blocks
+    def run(draw):
+        torch.manual_seed(seed)
+        torch.randint(0, 2, (before,))
+        mask = draw()
+        return mask, torch.get_rng_state(), torch.rand(5)
+
+    bits, state, after = run(lambda: native.bernoulli_bits(n, p))
+    mask, ref_state, ref_after = run(lambda: torch.empty(n).bernoulli_(p))
+    assert torch.equal(bits, quant.pack_mask(mask)[0])
+    assert torch.equal(state, ref_state) and torch.equal(after, ref_after)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_filled_draws_are_the_bernoulli_tensor(dtype):
+    torch.manual_seed(1)
+    ref = torch.empty(3, 5, 77, dtype=dtype).bernoulli_(0.8)
+    torch.manual_seed(1)
+    bits = native.bernoulli_bits(ref.numel(), 0.8)
+    assert torch.equal(native.fill_draws(torch.empty_like(ref).fill_(7), bits), ref)
+
+
+def test_native_draws_only_where_they_are_atens():
+    x = torch.empty(4, 6)
+    assert native.draws_apply(x, 0.9)
+    assert not native.draws_apply(x, 0.9, torch.Generator())  # another generator: ATen draws it
+    assert not native.draws_apply(x.t(), 0.9)  # ATen's order over a strided tensor is not the flat one
+    assert not native.draws_apply(x, 1.5) and not native.draws_apply(x, -0.1)  # ATen raises: let it
+    assert not native.draws_apply(torch.empty(0), 0.9)
+
+
+def test_dropout_falls_back_to_aten_where_the_draws_differ(monkeypatch):
+    from hf_division.ops import DropoutFn
+
+    real = native._draw_bits
+    monkeypatch.setattr(native, "_draw_bits", lambda state, p, n: real(state, p, n) ^ 1)  # one draw off per byte
+    native.draws_match_aten.cache_clear()
+    try:
+        assert not native.draws_match_aten()
+        x = torch.randn(4, 300, requires_grad=True)
+        torch.manual_seed(0)
+        y = DropoutFn.apply(x, 0.1)
+        torch.manual_seed(0)
+        assert torch.equal(y, torch.nn.functional.dropout(x, 0.1, training=True))
+    finally:
+        monkeypatch.undo()
+        native.draws_match_aten.cache_clear()
+    assert native.draws_match_aten()
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_model_dropout_draws_are_the_baselines(attn, monkeypatch):
+    # hidden and attention dropout drawn natively: the same outputs and the same RNG stream after
+    from conftest import tiny_batch, tiny_model
+    import hf_division as hd
+    from hf_division import ops
+
+    sizes = []
+    monkeypatch.setattr(ops, "bernoulli_bits", lambda n, p: sizes.append(n) or native.bernoulli_bits(n, p))
+
+    model = tiny_model("bert", attn, hidden_dropout_prob=0.3, attention_probs_dropout_prob=0.4)
+    batch = tiny_batch(batch=3, seq=40)
+
+    def forward():
+        torch.manual_seed(5)
+        out = model(**batch).logits
+        return out, torch.get_rng_state()
+
+    ref, ref_state = forward()
+    hd.apply_division(model)
+    out, state = forward()
+    assert torch.equal(out, ref) and torch.equal(state, ref_state)
+    layers = model.config.num_hidden_layers
+    assert sizes.count(3 * model.config.num_attention_heads * 40 * 40) == layers  # attention probabilities
+    assert sizes.count(3 * 40 * model.config.hidden_size) == 2 * layers + 1  # two per layer, the embeddings'
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_drawn_as_bits_is_atens_dropout(dtype, p):
+    from hf_division.ops import DropoutFn
+
+    x = torch.randn(5, 33, 48, dtype=dtype)
+    x[0, :3, 0] = torch.tensor([float("inf"), -2.0, float("nan")])  # dropped: NaN, -0, NaN as ATen's product
+    x.requires_grad_(True)
+    torch.manual_seed(7)
+    y = DropoutFn.apply(x, p)
+    state = torch.get_rng_state()
+    torch.manual_seed(7)
+    ref = torch.nn.functional.dropout(x, p, training=True)
+    assert torch.equal(y.view(torch.int8), ref.view(torch.int8)) and torch.equal(state, torch.get_rng_state())
+    grad = torch.randn_like(y)
+    assert torch.equal(torch.autograd.grad(y, x, grad)[0], torch.autograd.grad(ref, x, grad)[0])

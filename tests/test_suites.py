@@ -149,3 +149,17 @@ def test_long_context_merges_earlier_runs(tmp_path, capsys):
     assert len(json.loads((tmp_path / "all.json").read_text())["rows"]) == 8
     with pytest.raises(SystemExit):
         long_context.main([])  # neither --tsv nor --from-json
+
+
+def test_draws_suite_times_and_checks_both_draws(capsys, monkeypatch):
+    from hf_division import native
+    from hf_division.suites import draws
+
+    if not native.draws_match_aten():
+        pytest.skip("no native draws here")
+    monkeypatch.setattr(draws, "STEP", {"attention (2, 3, 16, 16)": ((2, 3, 16, 16), 6), "hidden (2, 16, 8)": ((2, 16, 8), 13)})
+    rows = draws.main(["--threads", "1", "--rounds", "1"])
+    out = capsys.readouterr().out
+    assert out.count("same draws and stream: True") == 2 and "one MiniLM step's draws" in out
+    step = rows[(1, "step")]
+    assert step["aten"] > 0 and step["native"] > 0

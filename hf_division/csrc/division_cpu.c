@@ -343,3 +343,92 @@ void hfd_masked_scale(const float *grad, const uint8_t *bits, float value, float
     }
     for (int64_t i = full * 8; i < n; i++) out[i] = grad[i] * ((bits[full] >> (i - full * 8)) & 1u ? value : 0.0f);
 }
+
+/* ---- dropout's Bernoulli draws, as bits --------------------------------------------------------
+ * torch.Tensor.bernoulli_(p) with a float p on the CPU (dropout's mask) draws one element at a time
+ * from the default generator, a mt19937 engine, under its lock: about 8 ns per element on one core
+ * whatever the thread count (docs/DESIGN.md, "Dropout draws"). This is the same draw written out:
+ * per element two 32-bit words (high, low), their 53 low bits r, kept where r * 2^-53 < p, i.e.
+ * r < ceil(p * 2^53); the engine's state is read from and written back to the generator's
+ * serialized state (torch.get_rng_state's layout), so the masks and the stream after them are
+ * ATen's own. hf_division/native.py checks the equality against ATen once per process. */
+#define MT_N 624
+#define MT_M 397
+
+static inline uint32_t mt_twist1(uint32_t u, uint32_t v) {
+    return ((((u & 0x80000000u) | (v & 0x7fffffffu)) >> 1) ^ ((v & 1u) ? 0x9908b0dfu : 0u));
+}
+
+static void mt_next_state(uint32_t *s) {
+    for (int i = 0; i < MT_N - MT_M; i++) s[i] = s[i + MT_M] ^ mt_twist1(s[i], s[i + 1]);
+    for (int i = MT_N - MT_M; i < MT_N - 1; i++) s[i] = s[i + MT_M - MT_N] ^ mt_twist1(s[i], s[i + 1]);
+    s[MT_N - 1] = s[MT_M - 1] ^ mt_twist1(s[MT_N - 1], s[0]);
+}
+
+static inline uint32_t mt_temper(uint32_t y) {
+    y ^= y >> 11;
+    y ^= (y << 7) & 0x9d2c5680u;
+    y ^= (y << 15) & 0xefc60000u;
+    return y ^ (y >> 18);
+}
+
+typedef struct { uint32_t s[MT_N]; int32_t left; uint32_t next; } mt_engine;
+
+/* the engine's next `count` outputs, as ATen's operator() gives them one by one: a call that
+ * brings `left` to 0 regenerates the state and returns its first word, leaving left = N */
+static void mt_words(mt_engine *e, uint32_t *out, int64_t count) {
+    while (count > 0) {
+        if (e->left <= 1) {
+            mt_next_state(e->s);
+            e->left = MT_N;
+            e->next = 0;
+            *out++ = mt_temper(e->s[e->next++]);
+            count--;
+            continue;
+        }
+        int64_t take = e->left - 1 < count ? e->left - 1 : count;
+        for (int64_t j = 0; j < take; j++) out[j] = mt_temper(e->s[e->next + j]);
+        e->next += (uint32_t)take;
+        e->left -= (int32_t)take;
+        out += take;
+        count -= take;
+    }
+}
+
+/* state: the generator's 624 state words (uint64 each, as serialized), left (int32) and next
+ * (uint64), updated in place; bits: ceil(n / 8) bytes, element i in bit i % 8 of byte i / 8 */
+void hfd_bernoulli_bits(uint64_t *state, int32_t *left, uint64_t *next, double p, int64_t n, uint8_t *bits) {
+    mt_engine e;
+    for (int i = 0; i < MT_N; i++) e.s[i] = (uint32_t)state[i];
+    e.left = *left;
+    e.next = (uint32_t)*next;
+    const uint64_t threshold = (uint64_t)ceil(p * 9007199254740992.0); /* p * 2^53 */
+    const uint64_t low53 = (UINT64_C(1) << 53) - 1;
+    uint32_t w[2 * 512];
+    for (int64_t start = 0; start < n; start += 512) {
+        int64_t count = n - start < 512 ? n - start : 512;
+        mt_words(&e, w, 2 * count);
+        for (int64_t b = 0; b < (count + 7) / 8; b++) {
+            uint32_t byte = 0;
+            for (int k = 0; k < 8 && 8 * b + k < count; k++) {
+                uint64_t r = (((uint64_t)w[2 * (8 * b + k)] << 32) | w[2 * (8 * b + k) + 1]) & low53;
+                byte |= (uint32_t)(r < threshold) << k;
+            }
+            bits[start / 8 + b] = (uint8_t)byte;
+        }
+    }
+    for (int i = 0; i < MT_N; i++) state[i] = e.s[i];
+    *left = e.left;
+    *next = e.next;
+}
+
+/* out = value where the bit is set, 0 elsewhere (float32): a Bernoulli draw's 0/1 tensor */
+void hfd_unpack_value(const uint8_t *bits, float value, float *out, int64_t n, int threads) {
+    int64_t full = n / 8;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < full; b++) {
+        uint32_t byte = bits[b];
+        for (int k = 0; k < 8; k++) out[8 * b + k] = (byte >> k) & 1u ? value : 0.0f;
+    }
+    for (int64_t i = full * 8; i < n; i++) out[i] = (bits[full] >> (i - full * 8)) & 1u ? value : 0.0f;
+}

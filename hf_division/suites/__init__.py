@@ -18,6 +18,7 @@ SUITES = {
     "decoder": ".decoder",
     "auto-precision": ".auto_precision",
     "compressor": ".compressor",
+    "draws": ".draws",
     "step-time": ".step_time",
     "memory": ".memory",
     "trl-sft": ".sft",

@@ -5,6 +5,7 @@ python -m hf_division.suites step-time --model bert-base-4l   # or llama-4l: the
 python -m hf_division.suites step-time --profile [--top 25]   # where the time goes: torch.profiler, per op
 python -m hf_division.suites step-time --token-chunks 1048576 4194304   # one division arm per compiled chunk size
 python -m hf_division.suites step-time --glue-dir ../shared/data/glue --task mrpc   # real batches, padded per batch
+python -m hf_division.suites step-time --aten-draws   # also division with ATen's dropout draws, not the native ones
 
 Real MiniLM-L6 by default. Each round times one step (forward + backward) of every method in
 turn, so machine noise hits all methods alike; the report gives each method's median, its ratio
@@ -23,7 +24,7 @@ import torch
 from transformers import HfArgumentParser
 
 from ..config import DivisionConfig
-from .. import fused
+from .. import fused, native
 from ..glue import collated_batches, get_task
 from ..api import apply_division
 from ..timing import interleaved_times, round_ratios, timed
@@ -47,6 +48,8 @@ def main(argv=None):
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--token-chunks", type=int, nargs="*", default=[],
                     help="also time division at these compiled chunk sizes (elements; hf_division.fused.TOKEN_CHUNK)")
+    ap.add_argument("--aten-draws", action="store_true",
+                    help="also time division drawing dropout masks with ATen's bernoulli_ (hf_division.native.set_native_draws)")
     ap.add_argument("--glue-dir", help="GLUE folder (with --task)")
     ap.add_argument("--task", help="time real batches of this two-label GLUE task's train split (needs --glue-dir)")
     args, rest = ap.parse_known_args(argv)
@@ -60,6 +63,8 @@ def main(argv=None):
     ckpt.activation_checkpointing_enable()
     methods["checkpointing"] = ckpt
     chunks = {"division": fused.TOKEN_CHUNK}
+    if args.aten_draws:
+        methods["division, ATen draws"] = methods["division"]
     for size in args.token_chunks:
         chunks[f"division@{size}"] = size
         methods[f"division@{size}"] = methods["division"]
@@ -71,7 +76,11 @@ def main(argv=None):
     def seconds(name):
         model, batch = methods[name], current["batch"]
         fused.TOKEN_CHUNK = chunks.get(name, chunks["division"])
-        dt = timed(lambda: step(model, batch))
+        former = native.set_native_draws(name != "division, ATen draws")
+        try:
+            dt = timed(lambda: step(model, batch))
+        finally:
+            native.set_native_draws(former)
         model.zero_grad(set_to_none=True)
         return dt
 
