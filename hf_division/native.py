@@ -227,8 +227,9 @@ def set_native_draws(enabled: bool) -> bool:
     return former
 
 
-def _draw_bits(state: torch.Tensor, p: float, n: int) -> torch.Tensor:
-    """``n`` Bernoulli(``p``) draws from a generator state (uint8, updated in place), as bits."""
+def draw_bits(state: torch.Tensor, p: float, n: int) -> torch.Tensor:
+    """``n`` Bernoulli(``p``) draws as bits, from a CPU generator's serialized state ``state`` (what
+    ``torch.Generator.get_state`` returns), which is updated in place to the state after them."""
     bits = torch.empty(-(-n // 8), dtype=torch.uint8)
     kernels().hfd_bernoulli_bits(_ptr(state[_WORDS]), _ptr(state[_LEFT]), _ptr(state[_NEXT]), float(p), n, _ptr(bits))
     return bits
@@ -246,7 +247,7 @@ def draws_match_aten() -> bool:
         state = g.get_state()
         if state.numel() != _STATE_BYTES:
             return False
-        bits = _draw_bits(state, p, n)
+        bits = draw_bits(state, p, n)
         ours = unpack_mask(bits, n, (n,))
         theirs = torch.empty(n).bernoulli_(p, generator=g).to(torch.uint8)
         if not (torch.equal(ours, theirs) and torch.equal(state, g.get_state())):
@@ -268,7 +269,7 @@ def bernoulli_bits(n: int, p: float) -> torch.Tensor:
     mask and the same stream after it (:func:`draws_match_aten` must hold), in one pass instead of
     a draw and a pack."""
     state = torch.get_rng_state()
-    bits = _draw_bits(state, p, n)
+    bits = draw_bits(state, p, n)
     torch.set_rng_state(state)
     return bits
 

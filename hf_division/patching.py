@@ -23,7 +23,8 @@ from .config import DivisionConfig
 from .layer_norm import layer_norm, takes as layer_norm_takes
 from .lm_loss import causal_lm_loss, tag_logits
 from .noise import model_stream
-from .ops import BitDropout, CheckpointFn, GatedFn, LinearFn, RecomputeFn
+from .dropout import BitDropout
+from .ops import CheckpointFn, GatedFn, LinearFn, RecomputeFn
 from .saved import compressed_saves
 from .store import active
 

@@ -141,7 +141,7 @@ class _Placeholder(torch.autograd.Function):
 class GradientOnlySDPA(TorchFunctionMode):
     """Routes ``F.scaled_dot_product_attention`` to :class:`_Placeholder` where it can: CPU tensors,
     a mask that needs no gradient, and dropout bits recorded by ``masks`` (a replaying
-    :class:`hf_division.ops.DropoutMasks`: its ``next_mask`` is this call's). Anything else runs
+    :class:`hf_division.dropout.DropoutMasks`: its ``next_mask`` is this call's). Anything else runs
     as it is."""
 
     def __init__(self, masks):

@@ -100,7 +100,7 @@ def test_qkv_share_one_copy():
 
 
 def test_dropout_mask_is_bits():
-    from hf_division.ops import DropoutFn
+    from hf_division.dropout import DropoutFn
 
     x = torch.randn(3, 50, 64, requires_grad=True)
     torch.manual_seed(0)

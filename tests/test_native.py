@@ -214,10 +214,10 @@ def test_native_draws_only_where_they_are_atens():
 
 
 def test_dropout_falls_back_to_aten_where_the_draws_differ(monkeypatch):
-    from hf_division.ops import DropoutFn
+    from hf_division.dropout import DropoutFn
 
-    real = native._draw_bits
-    monkeypatch.setattr(native, "_draw_bits", lambda state, p, n: real(state, p, n) ^ 1)  # one draw off per byte
+    real = native.draw_bits
+    monkeypatch.setattr(native, "draw_bits", lambda state, p, n: real(state, p, n) ^ 1)  # one draw off per byte
     native.draws_match_aten.cache_clear()
     try:
         assert not native.draws_match_aten()
@@ -237,10 +237,10 @@ def test_model_dropout_draws_are_the_baselines(attn, monkeypatch):
     # hidden and attention dropout drawn natively: the same outputs and the same RNG stream after
     from conftest import tiny_batch, tiny_model
     import hf_division as hd
-    from hf_division import ops
+    from hf_division import dropout
 
     sizes = []
-    monkeypatch.setattr(ops, "bernoulli_bits", lambda n, p: sizes.append(n) or native.bernoulli_bits(n, p))
+    monkeypatch.setattr(dropout, "bernoulli_bits", lambda n, p: sizes.append(n) or native.bernoulli_bits(n, p))
 
     model = tiny_model("bert", attn, hidden_dropout_prob=0.3, attention_probs_dropout_prob=0.4)
     batch = tiny_batch(batch=3, seq=40)
@@ -262,7 +262,7 @@ def test_model_dropout_draws_are_the_baselines(attn, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_dropout_drawn_as_bits_is_atens_dropout(dtype, p):
-    from hf_division.ops import DropoutFn
+    from hf_division.dropout import DropoutFn
 
     x = torch.randn(5, 33, 48, dtype=dtype)
     x[0, :3, 0] = torch.tensor([float("inf"), -2.0, float("nan")])  # dropped: NaN, -0, NaN as ATen's product
