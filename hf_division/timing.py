@@ -23,6 +23,13 @@ def timed(step: Callable[[], object], device: str = "cpu") -> float:
     return time.perf_counter() - t0
 
 
+def median_time(fn: Callable[[], object], rounds: int = 7) -> float:
+    """Median seconds of ``rounds`` calls of ``fn`` (CPU), after one untimed warm-up call: for
+    kernels timed alone, where one method at a time is enough."""
+    fn()
+    return statistics.median(timed(fn) for _ in range(rounds))
+
+
 def _sync(device: str) -> Callable[[], None]:
     if device == "cuda":
         return torch.cuda.synchronize

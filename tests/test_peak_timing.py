@@ -1,5 +1,6 @@
 """The measuring helpers: peak memory (``hf_division.peak``), interleaved step times
 (``hf_division.timing``) and the suites built on them (``step-time``, ``memory``)."""
+import time
 import os
 import re
 
@@ -105,3 +106,15 @@ def test_step_time_suite_real_batches_vary_and_bad_task_is_named():
     assert all(b["labels"].shape == (4,) and b["attention_mask"].shape == b["input_ids"].shape for b in batches)
     with pytest.raises(SystemExit):
         suites.run("step-time", ["--glue-dir", GLUE, "--task", "stsb", "--rounds", "1"])
+
+
+def test_median_time_is_the_median_after_a_warm_up():
+    from hf_division.timing import median_time
+
+    calls, waits = [], iter([0.05, 0.0, 0.04, 0.0, 0.0, 0.04])  # the warm-up call, then 5 timed ones
+    def fn():
+        calls.append(1)
+        time.sleep(next(waits))
+
+    t = median_time(fn, rounds=5)
+    assert len(calls) == 6 and t < 0.01  # the median of 0 .04 0 0 .04 (their mean: .016; with the warm-up: .02)

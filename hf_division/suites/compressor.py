@@ -13,7 +13,6 @@ against comparing it with 0 first, unpacking by a table-row gather against a shi
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
@@ -21,17 +20,8 @@ import torch
 from .. import native
 from ..compressor import compress, decompress, set_fused
 from ..quant import encode_tokens, noise_words, pack_mask, uniform, unpack_bits, unpack_mask
+from ..timing import median_time
 from .common import set_threads
-
-
-def timeit(fn, k=7):
-    fn()
-    ts = []
-    for _ in range(k):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def compressor_times(x) -> dict:
@@ -49,8 +39,8 @@ def compressor_times(x) -> dict:
             try:
                 p = compress(x, **kw)
                 decompress(p)  # warm-up (compiles the chunk kernels when fused)
-                rows[f"compress ({name}, {how})"] = timeit(lambda: compress(x, **kw))
-                rows[f"decompress ({name}, {how})"] = timeit(lambda: decompress(p))
+                rows[f"compress ({name}, {how})"] = median_time(lambda: compress(x, **kw))
+                rows[f"decompress ({name}, {how})"] = median_time(lambda: decompress(p))
             finally:
                 native.set_native(former)
                 set_fused(True)
@@ -67,7 +57,7 @@ def whole_tensor_times(x) -> dict:
         t0 = time.perf_counter()
         compiled(tokens, seed, 4, 16, 256, torch.bfloat16)
         rows[f"  (torch.compile dynamic={dynamic} warm-up, s)"] = time.perf_counter() - t0
-        rows[f"encode_tokens, whole tensor (dynamic={dynamic})"] = timeit(lambda: compiled(tokens, seed, 4, 16, 256, torch.bfloat16))
+        rows[f"encode_tokens, whole tensor (dynamic={dynamic})"] = median_time(lambda: compiled(tokens, seed, 4, 16, 256, torch.bfloat16))
     return rows
 
 
@@ -76,12 +66,12 @@ def mask_times(x) -> dict:
     draw = torch.empty_like(x).bernoulli_(0.9)
     bits, n = pack_mask(draw)
     return {
-        "pack_mask, float draw (integer view)": timeit(lambda: pack_mask(draw)),
-        "pack_mask(draw != 0) (float compare first)": timeit(lambda: pack_mask(draw != 0)),
-        "unpack_mask (table-row gather)": timeit(lambda: unpack_mask(bits, n, x.shape)),
-        "unpack_bits(., 1) (shift per bit plane)": timeit(lambda: unpack_bits(bits, 1)),
-        "unpack_mask to float / 0.9 (dropout noise)": timeit(lambda: unpack_mask(bits, n, x.shape, x.dtype, 0.9)),
-        "unpack_bits(., 1).to(float).div_(0.9)": timeit(lambda: unpack_bits(bits, 1)[:n].to(x.dtype).div_(0.9)),
+        "pack_mask, float draw (integer view)": median_time(lambda: pack_mask(draw)),
+        "pack_mask(draw != 0) (float compare first)": median_time(lambda: pack_mask(draw != 0)),
+        "unpack_mask (table-row gather)": median_time(lambda: unpack_mask(bits, n, x.shape)),
+        "unpack_bits(., 1) (shift per bit plane)": median_time(lambda: unpack_bits(bits, 1)),
+        "unpack_mask to float / 0.9 (dropout noise)": median_time(lambda: unpack_mask(bits, n, x.shape, x.dtype, 0.9)),
+        "unpack_bits(., 1).to(float).div_(0.9)": median_time(lambda: unpack_bits(bits, 1)[:n].to(x.dtype).div_(0.9)),
     }
 
 
@@ -95,9 +85,9 @@ def main(argv=None):
     n = x.numel()
     rows = {**compressor_times(x), **whole_tensor_times(x)}
     set_fused(True)
-    rows["torch.rand_like"] = timeit(lambda: torch.rand_like(x))
-    rows["noise_words + uniform (16-bit)"] = timeit(lambda: uniform(noise_words(n, x.device)))
-    rows["bernoulli_ (dropout draw)"] = timeit(lambda: torch.empty_like(x).bernoulli_(0.9))
+    rows["torch.rand_like"] = median_time(lambda: torch.rand_like(x))
+    rows["noise_words + uniform (16-bit)"] = median_time(lambda: uniform(noise_words(n, x.device)))
+    rows["bernoulli_ (dropout draw)"] = median_time(lambda: torch.empty_like(x).bernoulli_(0.9))
     rows.update(mask_times(x))
     print(f"tensor (32, 128, 1536) float32 = {n / 1e6:.1f} M elements, {args.threads} threads")
     print(f"{'what':<46} {'ms':>8} {'ns/element':>11}")

@@ -12,27 +12,16 @@ hidden-state masks) summed, and a check that both give the same bits and the sam
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from .. import native
 from ..quant import pack_mask
+from ..timing import median_time
 from .common import set_threads
 
 #: one MiniLM-L6 step at 32 x 128: (shape, how many such draws)
 STEP = {"attention (32, 12, 128, 128)": ((32, 12, 128, 128), 6), "hidden (32, 128, 384)": ((32, 128, 384), 13)}
-
-
-def median_seconds(fn, rounds: int) -> float:
-    fn()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def same_draws(shape, p: float = 0.9) -> bool:
@@ -48,9 +37,9 @@ def draw_times(shape, rounds: int) -> dict:
     n = torch.Size(shape).numel()
     target = torch.empty(shape)
     bits = native.bernoulli_bits(n, 0.9)
-    return {"aten": median_seconds(lambda: torch.empty(shape).bernoulli_(0.9), rounds),
-            "bits": median_seconds(lambda: native.bernoulli_bits(n, 0.9), rounds),
-            "fill": median_seconds(lambda: native.fill_draws(target, bits), rounds)}
+    return {"aten": median_time(lambda: torch.empty(shape).bernoulli_(0.9), rounds),
+            "bits": median_time(lambda: native.bernoulli_bits(n, 0.9), rounds),
+            "fill": median_time(lambda: native.fill_draws(target, bits), rounds)}
 
 
 def main(argv=None):
