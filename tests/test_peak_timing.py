@@ -1,13 +1,13 @@
 """The measuring helpers: peak memory (``hf_division.peak``), interleaved step times
 (``hf_division.timing``) and the suites built on them (``step-time``, ``memory``)."""
-import time
 import os
 import re
+import time
 
 import pytest
 import torch
 
-from hf_division import fused, suites
+from hf_division import fused, native, suites
 from hf_division.peak import MALLOC_ENV, forked, run_clean, step_peak
 from hf_division.timing import interleaved_medians, round_ratios, timed
 
@@ -77,7 +77,8 @@ GLUE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "glu
 
 
 @pytest.mark.parametrize("extra", [[], ["--profile", "--top", "3"], ["--token-chunks", "4096"],
-                                   ["--glue-dir", GLUE, "--task", "mrpc"], ["--model", "tiny-llama"]])
+                                   ["--glue-dir", GLUE, "--task", "mrpc"], ["--model", "tiny-llama"],
+                                   ["--aten-draws", "--control"]])
 def test_step_time_suite(extra, capsys):
     chunk = fused.TOKEN_CHUNK
     suites.run("step-time", ["--batch", "2", "--seq", "16", "--rounds", "1", "--threads", "1",
@@ -88,6 +89,9 @@ def test_step_time_suite(extra, capsys):
     else:
         rows = {line.split()[0]: float(line.split()[2]) for line in out.splitlines()[2:]}
         chunked = {"division@4096"} if "--token-chunks" in extra else set()
+        if "--control" in extra:  # an unpatched copy, and division drawing dropout with ATen's bernoulli_
+            chunked |= {"baseline-copy", "division-aten-draws"}
+            assert native.draws_apply(torch.empty(4), 0.5) == native.draws_match_aten()  # native draws back on
         if "--task" in extra:  # a new MRPC batch per round, padded to its longest row (at most --seq)
             assert re.search(r"mrpc train batches of 2, padded per batch to \d+-16 tokens", out), out
         assert fused.TOKEN_CHUNK == chunk  # restored after the run

@@ -6,6 +6,7 @@ python -m hf_division.suites step-time --profile [--top 25]   # where the time g
 python -m hf_division.suites step-time --token-chunks 1048576 4194304   # one division arm per compiled chunk size
 python -m hf_division.suites step-time --glue-dir ../shared/data/glue --task mrpc   # real batches, padded per batch
 python -m hf_division.suites step-time --aten-draws   # also division with ATen's dropout draws, not the native ones
+python -m hf_division.suites step-time --control   # also a second unpatched copy of the model: the A/A spread of this run
 
 Real MiniLM-L6 by default. Each round times one step (forward + backward) of every method in
 turn, so machine noise hits all methods alike; the report gives each method's median, its ratio
@@ -50,6 +51,9 @@ def main(argv=None):
                     help="also time division at these compiled chunk sizes (elements; hf_division.fused.TOKEN_CHUNK)")
     ap.add_argument("--aten-draws", action="store_true",
                     help="also time division drawing dropout masks with ATen's bernoulli_ (hf_division.native.set_native_draws)")
+    ap.add_argument("--control", action="store_true",
+                    help="also time an unpatched copy of the model (same work as the baseline): what two identical "
+                         "arms read in this run")
     ap.add_argument("--glue-dir", help="GLUE folder (with --task)")
     ap.add_argument("--task", help="time real batches of this two-label GLUE task's train split (needs --glue-dir)")
     args, rest = ap.parse_known_args(argv)
@@ -62,9 +66,11 @@ def main(argv=None):
     ckpt = copy.deepcopy(base)
     ckpt.activation_checkpointing_enable()
     methods["checkpointing"] = ckpt
+    if args.control:
+        methods["baseline-copy"] = copy.deepcopy(base)
     chunks = {"division": fused.TOKEN_CHUNK}
     if args.aten_draws:
-        methods["division, ATen draws"] = methods["division"]
+        methods["division-aten-draws"] = methods["division"]
     for size in args.token_chunks:
         chunks[f"division@{size}"] = size
         methods[f"division@{size}"] = methods["division"]
@@ -76,7 +82,7 @@ def main(argv=None):
     def seconds(name):
         model, batch = methods[name], current["batch"]
         fused.TOKEN_CHUNK = chunks.get(name, chunks["division"])
-        former = native.set_native_draws(name != "division, ATen draws")
+        former = native.set_native_draws(name != "division-aten-draws")
         try:
             dt = timed(lambda: step(model, batch))
         finally:
