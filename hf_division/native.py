@@ -235,13 +235,18 @@ def draw_bits(state: torch.Tensor, p: float, n: int) -> torch.Tensor:
     return bits
 
 
-@functools.lru_cache(maxsize=1)
 def draws_match_aten() -> bool:
-    """Whether :func:`bernoulli_bits` gives ATen's draws and stream in this process: checked once
-    on a private generator (the default one is not touched). False where ATen draws otherwise
-    (e.g. a build whose ``bernoulli_`` uses MKL's generator) or the state layout differs."""
-    if kernels() is None:
-        return False
+    """Whether :func:`bernoulli_bits` gives ATen's draws and stream in this process: False without
+    the native kernels (``set_native(False)``, no compiler), else :func:`checked_draws`."""
+    lib = kernels()
+    return lib is not None and checked_draws(lib)
+
+
+@functools.lru_cache(maxsize=2)
+def checked_draws(lib: ctypes.CDLL) -> bool:
+    """Whether ``lib``'s draws are ATen's, draws and generator state after them: checked once per
+    library on a private generator (the default one is not touched). False where ATen draws
+    otherwise (e.g. a build whose ``bernoulli_`` uses MKL's generator) or the state layout differs."""
     g = torch.Generator().manual_seed(20261202)
     for n, p in ((1000, 0.9), (2000, 0.5), (777, 1 / 3)):
         state = g.get_state()
@@ -259,8 +264,9 @@ def draws_apply(target: torch.Tensor, p, generator=None) -> bool:
     """Whether :func:`bernoulli_bits` can stand for ``target.bernoulli_(p, generator=generator)``:
     a contiguous CPU tensor, a float ``p`` in [0, 1], the default generator, and the native draws
     checked equal to ATen's here."""
-    return (_draws["enabled"] and generator is None and isinstance(p, float) and 0.0 <= p <= 1.0 and target.device.type == "cpu"
-            and target.is_contiguous() and target.numel() > 0 and draws_match_aten())
+    plain = generator is None and isinstance(p, float) and 0.0 <= p <= 1.0
+    on_cpu = target.device.type == "cpu" and target.is_contiguous() and target.numel() > 0
+    return _draws["enabled"] and plain and on_cpu and draws_match_aten()
 
 
 def bernoulli_bits(n: int, p: float) -> torch.Tensor:

@@ -218,7 +218,7 @@ def test_dropout_falls_back_to_aten_where_the_draws_differ(monkeypatch):
 
     real = native.draw_bits
     monkeypatch.setattr(native, "draw_bits", lambda state, p, n: real(state, p, n) ^ 1)  # one draw off per byte
-    native.draws_match_aten.cache_clear()
+    native.checked_draws.cache_clear()
     try:
         assert not native.draws_match_aten()
         x = torch.randn(4, 300, requires_grad=True)
@@ -228,8 +228,18 @@ def test_dropout_falls_back_to_aten_where_the_draws_differ(monkeypatch):
         assert torch.equal(y, torch.nn.functional.dropout(x, 0.1, training=True))
     finally:
         monkeypatch.undo()
-        native.draws_match_aten.cache_clear()
+        native.checked_draws.cache_clear()
     assert native.draws_match_aten()
+
+
+def test_draws_follow_the_native_switch():
+    # checked per library: turning the kernels off and on again does not leave the draws off
+    former = native.set_native(False)
+    try:
+        assert not native.draws_match_aten() and not native.draws_apply(torch.empty(4), 0.5)
+    finally:
+        native.set_native(former)
+    assert native.draws_match_aten() and native.draws_apply(torch.empty(4), 0.5)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
