@@ -141,8 +141,6 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hfd_masked_scale.restype = None
     lib.hfd_bernoulli_bits.argtypes = [p, p, p, ctypes.c_double, i64, p]
     lib.hfd_bernoulli_bits.restype = None
-    lib.hfd_unpack_value.argtypes = [p, ctypes.c_float, p, i64, i32]
-    lib.hfd_unpack_value.restype = None
     return lib
 
 
@@ -281,9 +279,5 @@ def bernoulli_bits(n: int, p: float) -> torch.Tensor:
 
 
 def fill_draws(target: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """``target`` (contiguous, CPU) filled with the 0/1 values of ``bits``, as ``bernoulli_`` fills it."""
-    n = target.numel()
-    if target.dtype == torch.float32:
-        kernels().hfd_unpack_value(_ptr(bits), 1.0, _ptr(target), n, _threads(n))
-        return target
-    return target.copy_(unpack_mask(bits, n, target.shape))
+    """``target`` filled with the 0/1 values of ``bits``, as ``bernoulli_`` fills it."""
+    return target.copy_(unpack_mask(bits, target.numel(), target.shape))

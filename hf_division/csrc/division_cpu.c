@@ -421,14 +421,3 @@ void hfd_bernoulli_bits(uint64_t *state, int32_t *left, uint64_t *next, double p
     *left = e.left;
     *next = e.next;
 }
-
-/* out = value where the bit is set, 0 elsewhere (float32): a Bernoulli draw's 0/1 tensor */
-void hfd_unpack_value(const uint8_t *bits, float value, float *out, int64_t n, int threads) {
-    int64_t full = n / 8;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < full; b++) {
-        uint32_t byte = bits[b];
-        for (int k = 0; k < 8; k++) out[8 * b + k] = (byte >> k) & 1u ? value : 0.0f;
-    }
-    for (int64_t i = full * 8; i < n; i++) out[i] = (bits[full] >> (i - full * 8)) & 1u ? value : 0.0f;
-}
