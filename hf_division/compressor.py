@@ -235,7 +235,7 @@ def _no_larger(p: Packed, x: torch.Tensor) -> Packed:
 def _split_outliers(x3: torch.Tensor, ratio: float, dtype: torch.dtype):
     """``(x3 with its outlier tokens zeroed, those tokens in dtype, their index)``; x3 unchanged
     (and no copy) when there are none."""
-    row_index = outlier_tokens(x3, ratio)
+    row_index = outlier_tokens(x3, ratio, native.token_absmax(x3))
     if row_index is None:
         return x3, None, None
     flat_rows = x3.reshape(-1, x3.shape[2])
@@ -271,7 +271,7 @@ def _split_static(x3: torch.Tensor, ratio: float, k: int, dtype: torch.dtype):
     index, keep, out = [], [], flat
     lead = (torch.arange(m, device=x3.device)[:, None] * t + torch.arange(k, device=x3.device)).reshape(-1) if k else None
     if ratio > 0:
-        cand, selected = outlier_candidates(x3, ratio)
+        cand, selected = outlier_candidates(x3, ratio, native.token_absmax(x3))
         picked = flat[cand]
         out = flat.index_copy(0, cand, torch.where(selected[:, None], torch.zeros_like(picked), picked))
         index.append(cand)

@@ -135,6 +135,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hfd_encode_tokens.restype = None
     lib.hfd_decode_tokens.argtypes = [p, *shape, p, p, p, p, p, i32]
     lib.hfd_decode_tokens.restype = None
+    lib.hfd_token_absmax.argtypes = [p, i64, i64, p, i32]
+    lib.hfd_token_absmax.restype = None
     lib.hfd_pack_nonzero.argtypes = [p, i64, i32, p, i32]
     lib.hfd_pack_nonzero.restype = None
     lib.hfd_masked_scale.argtypes = [p, p, ctypes.c_float, p, i64, i32]
@@ -183,6 +185,18 @@ def decode_tokens(out: torch.Tensor, codes, lfc, lo, scale, bits: int, block: in
     kind = LFC_KIND[None if lfc is None else lfc.dtype]
     kernels().hfd_decode_tokens(_ptr(out), m, t, c, block, group, bits, kind, _ptr(lfc), _ptr(lo), _ptr(scale),
                                 _ptr(codes), _ptr(_rows(row_scale, m * t)), _threads(m * t * c))
+
+
+def token_absmax(x3: torch.Tensor) -> torch.Tensor | None:
+    """Per token of ``x3`` ``(M, T, C)``, max |x| as ``(M*T,)`` float32 (NaN where a token has a NaN):
+    the score :func:`hf_division.quant.outlier_candidates` ranks, in one pass. None where the
+    kernels do not take ``x3`` (not a contiguous float32 CPU tensor): the caller computes it."""
+    if not (x3.device.type == "cpu" and x3.dtype == torch.float32 and x3.is_contiguous() and x3.dim() == 3
+            and x3.shape[2] > 0 and kernels() is not None):
+        return None
+    out = torch.empty(x3.shape[0] * x3.shape[1], dtype=torch.float32)
+    kernels().hfd_token_absmax(_ptr(x3), out.numel(), x3.shape[2], _ptr(out), _threads(x3.numel()))
+    return out
 
 
 def pack_mask(mask: torch.Tensor) -> tuple[torch.Tensor, int]:

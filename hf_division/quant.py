@@ -141,7 +141,7 @@ def noise_seed(device: torch.device, generator: torch.Generator | None = None) -
 
 
 # ----------------------------------------------------------------------------- core math
-def outlier_tokens(x3: torch.Tensor, ratio: float) -> torch.Tensor | None:
+def outlier_tokens(x3: torch.Tensor, ratio: float, absmax: torch.Tensor | None = None) -> torch.Tensor | None:
     """Index (int64, among the ``M*T`` tokens of an ``(M, T, C)`` tensor) of the tokens whose max |x|
     exceeds ``ratio`` times the median token's, at most ``M*T // 64`` of them (the largest); None
     if there are none.
@@ -153,16 +153,24 @@ def outlier_tokens(x3: torch.Tensor, ratio: float) -> torch.Tensor | None:
     element (fp32), and nothing where there are none. Their count is data-dependent (a host sync;
     off the CPU ``compress`` keeps :func:`outlier_candidates` instead).
     """
-    index, selected = outlier_candidates(x3, ratio)
+    index, selected = outlier_candidates(x3, ratio, absmax)
     keep = index[selected]
     return keep if keep.numel() else None
 
 
-def outlier_candidates(x3: torch.Tensor, ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
+def outlier_candidates(x3: torch.Tensor, ratio: float, absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`outlier_tokens` at a fixed size, with no host synchronisation: the index of the
     ``max(1, M*T // 64)`` tokens of largest max |x| and, for each, whether it exceeds ``ratio``
-    times the median token's (the tokens :func:`outlier_tokens` returns are exactly the selected ones)."""
-    r = torch.maximum(x3.amax(dim=2), x3.amin(dim=2).neg_()).view(-1)  # max |x| per token, no |x| copy
+    times the median token's (the tokens :func:`outlier_tokens` returns are exactly the selected ones).
+    ``absmax``: that max |x| per token ``(M*T,)`` if already computed (:func:`token_absmax` otherwise)."""
+    r = token_absmax(x3) if absmax is None else absmax
+    top, index = r.topk(min(max(1, r.numel() // 64), r.numel()))
+    return index, top > ratio * r.median()
+
+
+def token_absmax(x3: torch.Tensor) -> torch.Tensor:
+    """Max |x| per token of ``(M, T, C)`` as ``(M*T,)``: NaN where a token holds a NaN."""
+    return torch.maximum(x3.amax(dim=2), x3.amin(dim=2).neg_()).view(-1)  # no |x| copy
     top, index = r.topk(min(max(1, r.numel() // 64), r.numel()))
     return index, top > ratio * r.median()
 

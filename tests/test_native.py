@@ -195,6 +195,34 @@ def test_bernoulli_bits_are_atens_draws_and_stream(seed, before, n, p):
     assert torch.equal(state, ref_state) and torch.equal(after, ref_after)
 
 
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(1, 5), t=st.integers(1, 40), c=st.integers(1, 150), seed=st.integers(0, 2**16),
+       specials=st.lists(st.sampled_from([float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e30]), max_size=4))
+def test_token_absmax_is_the_tensor_codes(m, t, c, seed, specials):
+    # the outlier search's score: NaN where a token has one (so the search selects nothing, as
+    # the tensor code's median does), infinities and signed zeros as amax/amin give them
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, t, c, generator=g) * torch.rand(m, t, 1, generator=g) * 10
+    for i, v in enumerate(specials):
+        x.view(-1)[torch.randint(0, x.numel(), (1,), generator=g)] = v
+    ours, theirs = native.token_absmax(x), quant.token_absmax(x)
+    assert torch.equal(ours.isnan(), theirs.isnan())
+    assert torch.equal(ours.nan_to_num(), theirs.nan_to_num())
+    for ratio in (2.0, 16.0):
+        a, b = quant.outlier_candidates(x, ratio, ours), quant.outlier_candidates(x, ratio)
+        assert torch.equal(a[1], b[1]) and torch.equal(a[0][a[1]], b[0][b[1]])
+
+
+def test_token_absmax_leaves_what_it_does_not_take_to_the_caller():
+    x = torch.randn(2, 8, 16)
+    assert native.token_absmax(x.transpose(1, 2)) is None and native.token_absmax(x.double()) is None
+    former = native.set_native(False)
+    try:
+        assert native.token_absmax(x) is None
+    finally:
+        native.set_native(former)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_filled_draws_are_the_bernoulli_tensor(dtype):
     torch.manual_seed(1)

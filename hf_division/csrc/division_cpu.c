@@ -302,6 +302,27 @@ void hfd_decode_tokens(float *out, int64_t m, int64_t t, int64_t c, int64_t bloc
     free(row_map);
 }
 
+/* ----------------------------------------------------------------------------- outlier search */
+/* quant.outlier_candidates' score: per token of n tokens of c channels, max |x| (NaN where the token
+ * has a NaN, as torch.maximum(amax, -amin) gives it). One pass: ATen's amax and amin over a short
+ * channel axis (64 for an attention head) cost two passes and more than the encode itself. */
+void hfd_token_absmax(const float *x, int64_t n, int64_t c, float *out, int threads) {
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t tt = 0; tt < n; tt++) {
+        const float *row = x + tt * c;
+        float m = 0.0f;
+        int32_t nan = 0;
+        /* simd: a max reduction is not vectorized otherwise (its order matters for NaN, flagged apart) */
+        #pragma omp simd reduction(max : m) reduction(| : nan)
+        for (int64_t j = 0; j < c; j++) {
+            float a = fabsf(row[j]);
+            m = a > m ? a : m;
+            nan |= a != a;
+        }
+        out[tt] = nan ? NAN : m;
+    }
+}
+
 /* ----------------------------------------------------------------------------- mask bits */
 /* quant.pack_mask: bit k of byte b (least significant first) says whether element 8b + k has any
  * bit set (a float 0/1 draw, a dropout noise tensor, a bool mask), for n elements of `size` bytes. */
