@@ -21,6 +21,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from .attention import CONFIG_ATTR, switch
 from .config import DivisionConfig
 from .layer_norm import layer_norm, takes as layer_norm_takes
+from .rms_norm import eps_of as rms_norm_eps, rms_norm, takes as rms_norm_takes
 from .lm_loss import causal_lm_loss, tag_logits
 from .noise import model_stream
 from .dropout import BitDropout
@@ -102,16 +103,21 @@ KINKED = (nn.ReLU, nn.ReLU6, nn.LeakyReLU, nn.Hardtanh)
 
 def patch_recompute(state: PatchState, module: nn.Module, kind: str) -> None:
     """Norm or activation module ``y = f(x)``: input kept compressed, f recomputed in backward
-    (``nn.LayerNorm`` through :func:`~hf_division.layer_norm.layer_norm`: one normalization in backward)."""
+    (``nn.LayerNorm`` through :func:`~hf_division.layer_norm.layer_norm`: one normalization in backward;
+    Llama's RMSNorm, as :func:`~hf_division.rms_norm.eps_of` finds it, through
+    :func:`~hf_division.rms_norm.rms_norm`: its gradient written out)."""
     config = config_for(state, module)
     params = tuple(module.parameters(recurse=False))
     exact_sign = isinstance(module, KINKED) or type(module).__name__ == "ReLUSquaredActivation"
+    eps = rms_norm_eps(module) if kind == "norm" else None
 
     def make(orig):
         def forward(self, x):
             if in_training(self) and config.bits(kind) and (x.requires_grad or any(p.requires_grad for p in params)):
                 if kind == "norm" and layer_norm_takes(self):
                     return layer_norm(self, orig, config, x)
+                if kind == "norm" and rms_norm_takes(eps):
+                    return rms_norm(self, orig, eps, config, x)
                 return RecomputeFn.apply(orig, config, kind, exact_sign, x, *params)
             return orig(x)
 
