@@ -48,22 +48,24 @@ def sdpa_grads(q, k, v, dout, attn_mask=None, keep=None, dropout_p=0.0, is_causa
     def part(t, i):  # batch-sized tensors are sliced; broadcast ones (mask of batch 1) passed whole
         return t[i : i + step] if t is not None and t.dim() == 4 and t.shape[0] == n else t
 
-    pieces = [
+    # each chunk's gradients written into its rows of the whole ones: a cat would copy them again
+    grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    for i in range(0, n, step):
         _sdpa_grads_block(part(q, i), part(k, i), part(v, i), part(dout, i), part(attn_mask, i), part(keep, i),
-                          dropout_p, is_causal, scale, enable_gqa)
-        for i in range(0, n, step)
-    ]
-    return tuple(torch.cat(grads) for grads in zip(*pieces))
+                          dropout_p, is_causal, scale, enable_gqa, out=[part(g, i) for g in grads])
+    return grads
 
 
-def _sdpa_grads_block(q, k, v, dout, attn_mask=None, keep=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+def _sdpa_grads_block(q, k, v, dout, attn_mask=None, keep=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+                      out=None):
     """``(dq, dk, dv)`` of ``out = sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)`` for ``dout``.
 
     q ``(..., H, Tq, E)``, k ``(..., Hk, Tk, E)``, v ``(..., Hk, Tk, Ev)``, dout ``(..., H, Tq, Ev)``;
     ``attn_mask`` bool (True = attend) or additive float, broadcastable to ``(..., H, Tq, Tk)``;
     ``keep``: the dropout keep mask ``(..., H, Tq, Tk)`` (0/1 uint8), or None without dropout.
     ``enable_gqa``: ``H`` a multiple of ``Hk`` (query head i uses kv head ``i // (H // Hk)``).
-    Computed in float32; the gradients come back in the input dtypes.
+    Computed in float32; the gradients come back in the input dtypes, or are written into
+    ``out`` (three contiguous tensors shaped as q, k, v).
     """
     dtypes, shape = (q.dtype, k.dtype, v.dtype), q.shape
     rep = q.shape[-3] // k.shape[-3]
@@ -85,21 +87,34 @@ def _sdpa_grads_block(q, k, v, dout, attn_mask=None, keep=None, dropout_p=0.0, i
     p = _safe_softmax(s) if whole_rows else torch.softmax(s, -1)
     del s
     ds_scale = scale
+    # float32 targets take the products directly (``out=``); others get a converted copy at the end
+    direct = out is not None and all(t.dtype == torch.float32 for t in out)
+    dq_out, dk_out, dv_out = (out[0].view(q.shape), out[1], out[2]) if direct else (None, None, None)
     if keep is not None:  # out = (P * keep / (1 - p_drop)) @ V: the constant is folded into the products
         c = 1.0 / (1.0 - dropout_p)
         keep = _fold_heads(keep, rep).to(p.dtype)  # once: two products with a uint8 mask would each convert it
-        dv = torch.matmul((p * keep).transpose(-2, -1), dout).mul_(c)
+        dv = _matmul((p * keep).transpose(-2, -1), dout, dv_out).mul_(c)
         dp = torch.matmul(dout, v.transpose(-2, -1)).mul_(keep)
         ds_scale = scale * c
     else:
-        dv = torch.matmul(p.transpose(-2, -1), dout)
+        dv = _matmul(p.transpose(-2, -1), dout, dv_out)
         dp = torch.matmul(dout, v.transpose(-2, -1))
     ds = torch._softmax_backward_data(dp, p, -1, torch.float32)
     del dp, p
-    dq = torch.matmul(ds, k).mul_(ds_scale)
-    dk = torch.matmul(ds.transpose(-2, -1), q).mul_(ds_scale)
-    dq = dq.reshape(shape)
-    return dq.to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])
+    dq = _matmul(ds, k, dq_out).mul_(ds_scale)
+    dk = _matmul(ds.transpose(-2, -1), q, dk_out).mul_(ds_scale)
+    if direct:
+        return out
+    grads = dq.reshape(shape).to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])
+    if out is None:
+        return grads
+    for target, g in zip(out, grads):
+        target.copy_(g)
+    return out
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
 
 
 def _fold_heads(t: torch.Tensor, rep: int) -> torch.Tensor:
