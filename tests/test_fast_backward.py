@@ -118,19 +118,22 @@ def test_activation_direct_backward_matches_autograd():
 
 @pytest.mark.parametrize("mask", [None, "bool", "float", "broadcast"])
 @pytest.mark.parametrize("gqa", [False, True])
-def test_chunked_over_batch_matches_one_pass(monkeypatch, mask, gqa):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_over_batch_matches_one_pass(monkeypatch, mask, gqa, dtype):
     """sdpa_grads runs over chunks of the batch (cache-sized); per-item slices of q, k, v, dout,
-    mask and dropout bits must give the one-pass result (masks of batch 1 are broadcast)."""
+    mask and dropout bits must give the one-pass result (masks of batch 1 are broadcast), in
+    the input dtype (float32 chunks are written by the products, others copied)."""
     from hf_division import sdpa_backward
 
-    q, k, v, dout = _inputs(hk=2 if gqa else 4)
+    q, k, v, dout = (t.detach().to(dtype) for t in _inputs(hk=2 if gqa else 4))
     m = _mask("float")[:1] if mask == "broadcast" else _mask(mask)
     keep = (torch.rand(2, 4, 24, 24, generator=torch.Generator().manual_seed(2)) > 0.25).to(torch.uint8)
-    args = (q.detach(), k.detach(), v.detach(), dout, m, keep, 0.25, False, 0.3, gqa)
+    args = (q, k, v, dout, m, keep, 0.25, False, 0.3, gqa)
     whole = sdpa_grads(*args)
     monkeypatch.setattr(sdpa_backward, "CHUNK_BYTES", 1)  # one item per chunk
     chunked = sdpa_grads(*args)
-    for a, b in zip(chunked, whole):
+    for a, b, t in zip(chunked, whole, (q, k, v)):
+        assert a.dtype == t.dtype and a.shape == t.shape and a.is_contiguous()
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
