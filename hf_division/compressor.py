@@ -37,6 +37,7 @@ from .quant import (
     noise_seed,
     outlier_candidates,
     outlier_tokens,
+    token_absmax,
     wrap_int32,
 )
 
@@ -204,23 +205,42 @@ def compress_row_scaled(x: torch.Tensor, row_scale: torch.Tensor, bits: int, blo
     """``compress(x / row_scale, ...)`` with ``row_scale`` (``x.shape[:-1] + (1,)``, float32) held in
     the result, which rebuilds ``x``: the same codes and values as dividing first and multiplying
     after, with the division and the product inside the native kernels' passes instead of two more
-    passes over the tensor. None where that does not apply (the caller divides instead): not a
-    contiguous float32 CPU tensor, not token groups, or tokens to split off exact (``policy``:
-    ``grouping``, ``outlier_ratio``, ``exact_tokens``, whose split would run on the divided values)."""
-    exact = policy.get("outlier_ratio", 0.0) or policy.get("exact_tokens", 0) or policy.get("grouping", "tokens") != "tokens"
-    if (exact or not bits or x.dtype != torch.float32 or not x.is_contiguous() or x.dim() < 2
+    passes over the tensor. Outlier tokens (``policy``'s ``outlier_ratio``) are those of the divided
+    values, held as the rows that dividing then multiplying rebuilds. None where that does not apply
+    (the caller divides instead): not a contiguous float32 CPU tensor, not token groups, or leading
+    tokens kept exact (``exact_tokens``)."""
+    if (policy.get("exact_tokens", 0) or policy.get("grouping", "tokens") != "tokens" or not bits
+            or x.dtype != torch.float32 or not x.is_contiguous() or x.dim() < 2
             or not native.applies(x.device, lfc_dtype if min(block_size, x.shape[-2]) > 1 else None)):
         return None
     x3, layout = _to_tokens(x, x.dim() - 2)
+    rows = row_index = None
+    if policy.get("outlier_ratio", 0.0) and x3.shape[2] > 1:
+        x3, rows, row_index = _split_scaled_outliers(x3, row_scale.view(-1, 1), policy["outlier_ratio"])
     seed = noise_seed(x.device, generator) if stochastic else None
     block = max(1, min(block_size, x3.shape[1]))
     group = _token_group(group_size, block, bits)
     codes, lfc, lo, scale = _compress_tokens(x3, seed, bits, block, group, lfc_dtype, row_scale)
-    p = Packed(codes, lo, scale, lfc, x.shape, x.dtype, layout, bits, block, group, grouping="tokens")
+    p = Packed(codes, lo, scale, lfc, x.shape, x.dtype, layout, bits, block, group, rows, row_index, "tokens")
     kept = _no_larger(p, x)  # as for x / row_scale: the caller keeps x whole where not smaller
     if kept.bits:
         kept.row_scale = row_scale
     return kept
+
+
+def _split_scaled_outliers(x3: torch.Tensor, scale: torch.Tensor, ratio: float):
+    """:func:`_split_outliers` of ``x3 / scale`` (``scale``: ``(M*T, 1)``) without dividing ``x3``: a
+    token's max |x / s| is its max |x| / s (division by s > 0 keeps the order, and rounds the
+    largest to that quotient), and a zeroed token divides to zero. The rows are
+    ``(x / s) * s``, what the rebuild of the divided tensor times ``s`` gives there."""
+    flat = x3.reshape(-1, x3.shape[2])
+    absmax = native.token_absmax(x3)
+    row_index = outlier_tokens(x3, ratio, (token_absmax(x3) if absmax is None else absmax) / scale.view(-1))
+    if row_index is None:
+        return x3, None, None
+    picked = scale[row_index]
+    rows = flat[row_index] / picked * picked
+    return flat.index_fill(0, row_index, 0.0).view(x3.shape), rows, row_index
 
 
 def _no_larger(p: Packed, x: torch.Tensor) -> Packed:

@@ -58,7 +58,7 @@ def takes(eps: float | None) -> bool:
     return eps is not None and not any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
 
 
-def _normalize(x: torch.Tensor, weight: torch.Tensor, eps: float, stats: dict) -> torch.Tensor:
+def normalize(x: torch.Tensor, weight: torch.Tensor, eps: float, stats: dict) -> torch.Tensor:
     """The module's output for ``x``; ``x_n`` and ``1/rms`` (float32) left in ``stats`` for the backward."""
     x32 = x.float()
     rstd = torch.linalg.vector_norm(x32, dim=-1, keepdim=True).pow_(2).div_(x.shape[-1]).add_(eps).rsqrt_()
@@ -67,8 +67,10 @@ def _normalize(x: torch.Tensor, weight: torch.Tensor, eps: float, stats: dict) -
     return weight * xn.to(x.dtype)  # the module's own dtype rule: the normalized input cast back, then scaled
 
 
-def _gradients(grad: torch.Tensor, xn: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype,
-               need_x: bool, need_w: bool):
+def gradients(grad: torch.Tensor, xn: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype,
+              need_x: bool, need_w: bool):
+    """``(dx in dtype, dweight)`` for the output's gradient ``grad``, from :func:`normalize`'s
+    ``x_n`` and ``1/rms`` (None where not needed)."""
     g = grad.float()
     gw = (g * xn).sum(tuple(range(g.dim() - 1))).to(weight.dtype) if need_w else None
     gx = None
@@ -92,7 +94,7 @@ class RMSNormFn(torch.autograd.Function):
 
         def rebuild(x_hat, w=weight):
             with torch.no_grad():
-                return _normalize(x_hat, w, eps, stats)
+                return normalize(x_hat, w, eps, stats)
 
         derive(y, (ctx.entry,), rebuild)
         return y
@@ -103,9 +105,9 @@ class RMSNormFn(torch.autograd.Function):
         (weight,) = ctx.saved_tensors
         x = ctx.entry.take()
         if "xn_rstd" not in ctx.stats:  # no later layer rebuilt the output (e.g. its weight is frozen)
-            _normalize(x, weight, ctx.eps, ctx.stats)
+            normalize(x, weight, ctx.eps, ctx.stats)
         xn, rstd = ctx.stats.pop("xn_rstd")
-        gx, gw = _gradients(grad, xn, rstd, weight, ctx.dtype, ctx.needs_input_grad[3], ctx.needs_input_grad[4])
+        gx, gw = gradients(grad, xn, rstd, weight, ctx.dtype, ctx.needs_input_grad[3], ctx.needs_input_grad[4])
         return None, None, None, gx, gw
 
 

@@ -183,8 +183,16 @@ def test_trainer_division_checkpointing_bf16_together(tmp_path, monkeypatch):
                              division_checkpointing="combine", use_cpu=True, max_steps=2, per_device_train_batch_size=4, learning_rate=1e-4,
                              report_to=[], save_strategy="no", disable_tqdm=True, logging_steps=1)
     packed = []
-    pack = hd.store.pack
+    pack, row_scaled = hd.store.pack, hd.store.compress_row_scaled
     monkeypatch.setattr(hd.store, "pack", lambda t, kind, config: packed.append((kind, t.dtype)) or pack(t, kind, config))
+
+    def fused(x, *args, **kw):  # norm inputs kept relative to their rows' RMS, in the kernels' passes
+        p = row_scaled(x, *args, **kw)
+        if p is not None:
+            packed.append(("norm", x.dtype))
+        return p
+
+    monkeypatch.setattr(hd.store, "compress_row_scaled", fused)
     dtypes = []
     handle = model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, a, out: dtypes.append(out.dtype))
     trainer = Trainer(model=model, args=args, train_dataset=data)

@@ -162,13 +162,44 @@ def test_row_scaled_is_dividing_first_and_multiplying_after(block):
         native.set_native(former)
 
 
+@pytest.mark.parametrize("block", [1, 16])
+def test_row_scaled_outlier_tokens_are_the_divided_tensors(block):
+    # decoder norm inputs: the outlier search runs on x / rms (a token's max |x| / rms, without
+    # the division); the same tokens, codes and rebuilt tensor as dividing first, the held rows
+    # being what the divided tensor's rebuild times rms gives there. A NaN token, an inf token
+    # (NaN after the division) and a zero token besides.
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 40, 96, generator=g) * torch.logspace(-1, 1, 40).view(1, 40, 1)  # room for 160 // 64 = 2 rows
+    # a token's max |x| / RMS is at most sqrt(C) (one channel): spikes in one channel stand out
+    x[0, 0, 3] = 3e3
+    x[1, 5, 7] = -400.0
+    x[2, 3] = 0.0
+    args = dict(bits=4, block_size=block, group_size=64, lfc_dtype=torch.bfloat16, outlier_ratio=3.0)
+    for special in (None, float("nan"), float("inf")):
+        y = x.clone()
+        if special is not None:
+            y[2, 9, 1] = special
+        r = torch.linalg.vector_norm(y, dim=-1, keepdim=True).mul_(96**-0.5)
+        r = torch.where(r > 0, r, torch.ones_like(r))
+        fused = compress_row_scaled(y, r, generator=torch.Generator().manual_seed(4), **args)
+        plain = compress(y / r, generator=torch.Generator().manual_seed(4), **args)
+        assert (fused.row_index is None) == (plain.row_index is None) == (special is not None)
+        if special is None:
+            assert torch.equal(fused.row_index, plain.row_index) and fused.row_index.numel() == 2
+        for a, b in zip((fused.packed, fused.lo, fused.scale), (plain.packed, plain.lo, plain.scale)):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # the bits: NaN included
+        want = decompress(plain) * r
+        assert torch.equal(decompress(fused).nan_to_num(), want.nan_to_num())
+        assert torch.equal(decompress(fused).isnan(), want.isnan())
+
+
 def test_row_scaled_declines_what_it_cannot_fuse():
     x = torch.randn(2, 40, 64)
     rms = x.pow(2).mean(-1, keepdim=True).sqrt()
     args = dict(bits=4, block_size=1, group_size=64, lfc_dtype=torch.bfloat16)
     assert compress_row_scaled(x, rms, **args) is not None
-    # outlier tokens would be found among the divided values; bf16 input; a transposed view
-    assert compress_row_scaled(x, rms, outlier_ratio=16.0, **args) is None
+    # leading tokens kept exact; bf16 input; a transposed view
+    assert compress_row_scaled(x, rms, exact_tokens=1, **args) is None
     assert compress_row_scaled(x.bfloat16(), rms, **args) is None
     assert compress_row_scaled(x.transpose(0, 1), rms.transpose(0, 1), **args) is None
 

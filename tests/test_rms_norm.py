@@ -65,8 +65,8 @@ def test_output_and_gradients_are_autograds(tokens, channels, log_scale, dtype, 
     grad = torch.randn(2, tokens, channels, generator=g).to(dtype)
     y_ref, gx_ref, gw_ref = _autograd(x, w, grad, eps)
     stats = {}
-    y = rms_norm._normalize(x, w, eps, stats)
-    gx, gw = rms_norm._gradients(grad, *stats["xn_rstd"], w, x.dtype, True, True)
+    y = rms_norm.normalize(x, w, eps, stats)
+    gx, gw = rms_norm.gradients(grad, *stats["xn_rstd"], w, x.dtype, True, True)
     assert y.dtype == y_ref.dtype and gx.dtype == gx_ref.dtype and gw.dtype == gw_ref.dtype
     rel = {torch.bfloat16: 1e-2, torch.float32: 1e-6}[dtype]
     torch.testing.assert_close(y, y_ref, rtol=rel, atol=rel)
