@@ -25,14 +25,14 @@ from .once import first_order
 from .store import derive, keep
 
 
-
 def eps_of(module: nn.Module) -> float | None:
     """``module``'s eps if it computes Llama's RMSNorm: one 1-D ``weight``, no other parameter or
     submodule, an ``eps`` or ``variance_epsilon`` attribute, and outputs that match the formula
     on random probes (float32, CPU; its own weight stands aside). None otherwise."""
-    weight = module._parameters.get("weight") if isinstance(module, nn.Module) else None
+    params = dict(module.named_parameters(recurse=False)) if isinstance(module, nn.Module) else {}
+    weight = params.get("weight")
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-    if (weight is None or weight.dim() != 1 or len(module._parameters) != 1 or next(module.children(), None) is not None
+    if (weight is None or weight.dim() != 1 or len(params) != 1 or next(module.children(), None) is not None
             or not isinstance(eps, float) or eps <= 0):
         return None
     g = torch.Generator().manual_seed(0)
@@ -52,10 +52,21 @@ def eps_of(module: nn.Module) -> float | None:
     return eps
 
 
+_ENABLED = {"on": True}
+
+
+def use_direct_backward(enabled: bool) -> bool:
+    """Route Llama-form RMSNorms through :class:`RMSNormFn` (default) or the generic recomputation
+    (what it is tested and timed against: the step-time suite's ``--generic-norm`` arm); returns
+    the former setting, to restore."""
+    former, _ENABLED["on"] = _ENABLED["on"], bool(enabled)
+    return former
+
+
 def takes(eps: float | None) -> bool:
-    """Whether a module :func:`eps_of` found (``eps``) takes this path now: not under autocast,
-    whose casts the generic path replays."""
-    return eps is not None and not any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
+    """Whether a module :func:`eps_of` found (``eps``) takes this path now: switched on, and not
+    under autocast, whose casts the generic path replays."""
+    return eps is not None and _ENABLED["on"] and not any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
 
 
 def normalize(x: torch.Tensor, weight: torch.Tensor, eps: float, stats: dict) -> torch.Tensor:

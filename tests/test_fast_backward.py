@@ -169,9 +169,7 @@ def test_norm_and_gated_mlp_run_once_in_backward_with_the_same_gradient(monkeypa
     once per backward where it ran twice, and the gradient is the same to the bit."""
     from transformers.models.llama import modeling_llama
 
-    from hf_division import ops, patching
-
-    monkeypatch.setattr(patching, "rms_norm_takes", lambda eps: False)
+    from hf_division import ops, rms_norm
 
     calls = {"norm": 0, "silu": 0}
     norm, silu = modeling_llama.LlamaRMSNorm.forward, F.silu  # counted where they are looked up at call time
@@ -179,19 +177,21 @@ def test_norm_and_gated_mlp_run_once_in_backward_with_the_same_gradient(monkeypa
     monkeypatch.setattr(F, "silu", lambda x, inplace=False: calls.__setitem__("silu", calls["silu"] + 1) or silu(x, inplace))
     batch = tiny_batch(pad_from=[64, 50, 64, 33])
     grads, counts = {}, {}
-    for shared in (True, False):
-        ops.share_recomputation(shared)  # off: recompute without a graph, SiLU's gradient through autograd
-        try:
+    direct = rms_norm.use_direct_backward(False)
+    try:
+        for shared in (True, False):
+            ops.share_recomputation(shared)  # off: recompute without a graph, SiLU's gradient through autograd
             model = tiny_model("llama", "sdpa")
             hd.apply_division(model, hd.DivisionConfig(rounding="nearest", min_numel=0))
             model.zero_grad()
             out = model(**batch)
             before = dict(calls)
             out.loss.backward()
-        finally:
-            ops.share_recomputation(True)
-        counts[shared] = (calls["norm"] - before["norm"], calls["silu"] - before["silu"])
-        grads[shared] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+            counts[shared] = (calls["norm"] - before["norm"], calls["silu"] - before["silu"])
+            grads[shared] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    finally:
+        ops.share_recomputation(True)
+        rms_norm.use_direct_backward(direct)
     layers = model.config.num_hidden_layers
     assert counts[True] == (2 * layers + 1, layers)  # two norms a layer + the final one; one MLP a layer
     assert counts[False] == (2 * counts[True][0], 2 * layers)

@@ -12,7 +12,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 from transformers.models.t5.modeling_t5 import T5LayerNorm
 
 import hf_division as hd
-from hf_division import patching, rms_norm
+from hf_division import rms_norm
 from hf_division.fidelity import flat_grad
 
 from conftest import tiny_batch, tiny_model
@@ -79,8 +79,15 @@ def test_output_and_gradients_are_autograds(tokens, channels, log_scale, dtype, 
         assert err <= 2 * autograd_err + rel * terms[name], name
 
 
+@pytest.fixture(autouse=True)
+def _restore_the_switch():
+    former = rms_norm.use_direct_backward(True)
+    yield
+    rms_norm.use_direct_backward(former)
+
+
 def _patched(fast: bool, monkeypatch, frozen_linears=False, dtype=torch.float32):
-    monkeypatch.setattr(patching, "rms_norm_takes", rms_norm.takes if fast else (lambda eps: False))
+    rms_norm.use_direct_backward(fast)  # read when the forward runs
     model = tiny_model("llama", "sdpa").to(dtype)
     for m in model.modules():
         if frozen_linears and isinstance(m, torch.nn.Linear):

@@ -6,6 +6,7 @@ python -m hf_division.suites step-time --profile [--top 25]   # where the time g
 python -m hf_division.suites step-time --token-chunks 1048576 4194304   # one division arm per compiled chunk size
 python -m hf_division.suites step-time --glue-dir ../shared/data/glue --task mrpc   # real batches, padded per batch
 python -m hf_division.suites step-time --aten-draws   # also division with ATen's dropout draws, not the native ones
+python -m hf_division.suites step-time --model llama-4l --generic-norm   # also division with RMSNorm recomputed under autograd
 python -m hf_division.suites step-time --control   # also a second unpatched copy of the model: the A/A spread of this run
 
 Real MiniLM-L6 by default. Each round times one step (forward + backward) of every method in
@@ -25,7 +26,7 @@ import torch
 from transformers import HfArgumentParser
 
 from ..config import DivisionConfig
-from .. import fused, native
+from .. import fused, native, rms_norm
 from ..glue import collated_batches, get_task
 from ..api import apply_division
 from ..timing import interleaved_times, round_ratios, timed
@@ -51,6 +52,9 @@ def main(argv=None):
                     help="also time division at these compiled chunk sizes (elements; hf_division.fused.TOKEN_CHUNK)")
     ap.add_argument("--aten-draws", action="store_true",
                     help="also time division drawing dropout masks with ATen's bernoulli_ (hf_division.native.set_native_draws)")
+    ap.add_argument("--generic-norm", action="store_true",
+                    help="also time division with Llama-form RMSNorms on the generic recomputation "
+                         "(hf_division.rms_norm.use_direct_backward)")
     ap.add_argument("--control", action="store_true",
                     help="also time an unpatched copy of the model (same work as the baseline): what two identical "
                          "arms read in this run")
@@ -71,6 +75,8 @@ def main(argv=None):
     chunks = {"division": fused.TOKEN_CHUNK}
     if args.aten_draws:
         methods["division-aten-draws"] = methods["division"]
+    if args.generic_norm:
+        methods["division-generic-norm"] = methods["division"]
     for size in args.token_chunks:
         chunks[f"division@{size}"] = size
         methods[f"division@{size}"] = methods["division"]
@@ -83,10 +89,12 @@ def main(argv=None):
         model, batch = methods[name], current["batch"]
         fused.TOKEN_CHUNK = chunks.get(name, chunks["division"])
         former = native.set_native_draws(name != "division-aten-draws")
+        direct = rms_norm.use_direct_backward(name != "division-generic-norm")
         try:
             dt = timed(lambda: step(model, batch))
         finally:
             native.set_native_draws(former)
+            rms_norm.use_direct_backward(direct)
         model.zero_grad(set_to_none=True)
         return dt
 
