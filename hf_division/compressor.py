@@ -229,15 +229,12 @@ def compress_row_scaled(x: torch.Tensor, row_scale: torch.Tensor, bits: int, blo
 
 
 def _split_scaled_outliers(x3: torch.Tensor, scale: torch.Tensor, ratio: float):
-    """:func:`_split_outliers` of ``x3 / scale`` (``scale``: ``(M*T, 1)``) without dividing ``x3``: a
-    token's max |x / s| is its max |x| / s (division by s > 0 keeps the order, and rounds the
-    largest to that quotient), and a zeroed token divides to zero. The rows are
-    ``(x / s) * s``, what the rebuild of the divided tensor times ``s`` gives there."""
-    flat = x3.reshape(-1, x3.shape[2])
-    absmax = native.token_absmax(x3)
-    row_index = outlier_tokens(x3, ratio, (token_absmax(x3) if absmax is None else absmax) / scale.view(-1))
+    """:func:`_split_outliers` of ``x3 / scale`` (``(M*T, 1)``) without dividing: max |x / s| is max |x| / s
+    (division by s > 0 keeps the order); the rows are ``(x / s) * s``, the divided path's rebuild."""
+    row_index = outlier_tokens(x3, ratio, _absmax(x3) / scale.view(-1))
     if row_index is None:
         return x3, None, None
+    flat = x3.reshape(-1, x3.shape[2])
     picked = scale[row_index]
     rows = flat[row_index] / picked * picked
     return flat.index_fill(0, row_index, 0.0).view(x3.shape), rows, row_index
@@ -252,10 +249,16 @@ def _no_larger(p: Packed, x: torch.Tensor) -> Packed:
     return Packed(x, None, None, None, p.shape, p.dtype, None, 0, p.block_size, p.group_size)
 
 
+def _absmax(x3: torch.Tensor) -> torch.Tensor:
+    """The outlier search's score, max |x| per token: the native pass where it takes ``x3``."""
+    absmax = native.token_absmax(x3)
+    return token_absmax(x3) if absmax is None else absmax
+
+
 def _split_outliers(x3: torch.Tensor, ratio: float, dtype: torch.dtype):
     """``(x3 with its outlier tokens zeroed, those tokens in dtype, their index)``; x3 unchanged
     (and no copy) when there are none."""
-    row_index = outlier_tokens(x3, ratio, native.token_absmax(x3))
+    row_index = outlier_tokens(x3, ratio, _absmax(x3))
     if row_index is None:
         return x3, None, None
     flat_rows = x3.reshape(-1, x3.shape[2])
@@ -291,7 +294,7 @@ def _split_static(x3: torch.Tensor, ratio: float, k: int, dtype: torch.dtype):
     index, keep, out = [], [], flat
     lead = (torch.arange(m, device=x3.device)[:, None] * t + torch.arange(k, device=x3.device)).reshape(-1) if k else None
     if ratio > 0:
-        cand, selected = outlier_candidates(x3, ratio, native.token_absmax(x3))
+        cand, selected = outlier_candidates(x3, ratio, _absmax(x3))
         picked = flat[cand]
         out = flat.index_copy(0, cand, torch.where(selected[:, None], torch.zeros_like(picked), picked))
         index.append(cand)

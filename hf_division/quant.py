@@ -171,8 +171,6 @@ def outlier_candidates(x3: torch.Tensor, ratio: float, absmax: torch.Tensor | No
 def token_absmax(x3: torch.Tensor) -> torch.Tensor:
     """Max |x| per token of ``(M, T, C)`` as ``(M*T,)``: NaN where a token holds a NaN."""
     return torch.maximum(x3.amax(dim=2), x3.amin(dim=2).neg_()).view(-1)  # no |x| copy
-    top, index = r.topk(min(max(1, r.numel() // 64), r.numel()))
-    return index, top > ratio * r.median()
 
 
 def bf16_directed(v: torch.Tensor, down: bool) -> torch.Tensor:

@@ -42,8 +42,6 @@ def sdpa_grads(q, k, v, dout, attn_mask=None, keep=None, dropout_p=0.0, is_causa
     n = q.shape[0] if q.dim() == 4 else 1
     per_item = q[0].numel() // q.shape[-1] * k.shape[-2] * 4 if n > 1 else 0
     step = max(1, CHUNK_BYTES // per_item) if per_item else n
-    if step >= n:
-        return _sdpa_grads_block(q, k, v, dout, attn_mask, keep, dropout_p, is_causal, scale, enable_gqa)
 
     def part(t, i):  # batch-sized tensors are sliced; broadcast ones (mask of batch 1) passed whole
         return t[i : i + step] if t is not None and t.dim() == 4 and t.shape[0] == n else t
@@ -56,18 +54,18 @@ def sdpa_grads(q, k, v, dout, attn_mask=None, keep=None, dropout_p=0.0, is_causa
     return grads
 
 
-def _sdpa_grads_block(q, k, v, dout, attn_mask=None, keep=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
-                      out=None):
-    """``(dq, dk, dv)`` of ``out = sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)`` for ``dout``.
+def _sdpa_grads_block(q, k, v, dout, attn_mask, keep, dropout_p, is_causal, scale, enable_gqa, out):
+    """``(dq, dk, dv)`` of ``out = sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)`` for ``dout``,
+    written into ``out`` (three contiguous tensors shaped as q, k, v, in their dtypes).
 
     q ``(..., H, Tq, E)``, k ``(..., Hk, Tk, E)``, v ``(..., Hk, Tk, Ev)``, dout ``(..., H, Tq, Ev)``;
     ``attn_mask`` bool (True = attend) or additive float, broadcastable to ``(..., H, Tq, Tk)``;
     ``keep``: the dropout keep mask ``(..., H, Tq, Tk)`` (0/1 uint8), or None without dropout.
     ``enable_gqa``: ``H`` a multiple of ``Hk`` (query head i uses kv head ``i // (H // Hk)``).
-    Computed in float32; the gradients come back in the input dtypes, or are written into
-    ``out`` (three contiguous tensors shaped as q, k, v).
+    Computed in float32: float32 targets take the products directly (``out=``), others a
+    converted copy.
     """
-    dtypes, shape = (q.dtype, k.dtype, v.dtype), q.shape
+    shape = q.shape
     rep = q.shape[-3] // k.shape[-3]
     # contiguous once: each product below would otherwise copy a strided (B, T, H, d) view again
     q, dout = _fold_heads(q.float(), rep), _fold_heads(dout.float(), rep)
@@ -87,8 +85,7 @@ def _sdpa_grads_block(q, k, v, dout, attn_mask=None, keep=None, dropout_p=0.0, i
     p = _safe_softmax(s) if whole_rows else torch.softmax(s, -1)
     del s
     ds_scale = scale
-    # float32 targets take the products directly (``out=``); others get a converted copy at the end
-    direct = out is not None and all(t.dtype == torch.float32 for t in out)
+    direct = all(t.dtype == torch.float32 for t in out)
     dq_out, dk_out, dv_out = (out[0].view(q.shape), out[1], out[2]) if direct else (None, None, None)
     if keep is not None:  # out = (P * keep / (1 - p_drop)) @ V: the constant is folded into the products
         c = 1.0 / (1.0 - dropout_p)
@@ -103,13 +100,9 @@ def _sdpa_grads_block(q, k, v, dout, attn_mask=None, keep=None, dropout_p=0.0, i
     del dp, p
     dq = _matmul(ds, k, dq_out).mul_(ds_scale)
     dk = _matmul(ds.transpose(-2, -1), q, dk_out).mul_(ds_scale)
-    if direct:
-        return out
-    grads = dq.reshape(shape).to(dtypes[0]), dk.to(dtypes[1]), dv.to(dtypes[2])
-    if out is None:
-        return grads
-    for target, g in zip(out, grads):
-        target.copy_(g)
+    if not direct:
+        for target, g in zip(out, (dq.reshape(shape), dk, dv)):
+            target.copy_(g)
     return out
 
 

@@ -234,7 +234,7 @@ def test_token_absmax_is_the_tensor_codes(m, t, c, seed, specials):
     # the tensor code's median does), infinities and signed zeros as amax/amin give them
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, t, c, generator=g) * torch.rand(m, t, 1, generator=g) * 10
-    for i, v in enumerate(specials):
+    for v in specials:
         x.view(-1)[torch.randint(0, x.numel(), (1,), generator=g)] = v
     ours, theirs = native.token_absmax(x), quant.token_absmax(x)
     assert torch.equal(ours.isnan(), theirs.isnan())

@@ -86,7 +86,7 @@ def _restore_the_switch():
     rms_norm.use_direct_backward(former)
 
 
-def _patched(fast: bool, monkeypatch, frozen_linears=False, dtype=torch.float32):
+def _patched(fast: bool, frozen_linears=False, dtype=torch.float32):
     rms_norm.use_direct_backward(fast)  # read when the forward runs
     model = tiny_model("llama", "sdpa").to(dtype)
     for m in model.modules():
@@ -109,20 +109,20 @@ def test_llama_gradients_match_the_generic_recomputation(frozen_linears, monkeyp
     real, norm = rms_norm.RMSNormFn.backward, LlamaRMSNorm.forward
     monkeypatch.setattr(rms_norm.RMSNormFn, "backward", lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", lambda self, x: forwards.append(1) or norm(self, x))
-    model = _patched(True, monkeypatch, frozen_linears)
+    model = _patched(True, frozen_linears)
     forwards.clear()  # the probes of rms_norm.eps_of ran the forward when the model was patched
     fast = _grads(model)
     layers = model.config.num_hidden_layers
     assert len(calls) == 2 * layers + 1
     assert len(forwards) == 2 * layers + 1  # the forward's own calls: none again in backward
-    generic = _grads(_patched(False, monkeypatch, frozen_linears))
+    generic = _grads(_patched(False, frozen_linears))
     assert len(calls) == 2 * layers + 1  # not taken when switched off
     assert (fast - generic).norm() <= 1e-5 * generic.norm() and generic.abs().sum() > 0
 
 
-def test_bf16_llama_gradients_match_the_generic_recomputation(monkeypatch):
-    fast = _grads(_patched(True, monkeypatch, dtype=torch.bfloat16))
-    generic = _grads(_patched(False, monkeypatch, dtype=torch.bfloat16))
+def test_bf16_llama_gradients_match_the_generic_recomputation():
+    fast = _grads(_patched(True, dtype=torch.bfloat16))
+    generic = _grads(_patched(False, dtype=torch.bfloat16))
     cos = torch.nn.functional.cosine_similarity(fast, generic, dim=0)
     assert cos > 0.999 and generic.abs().sum() > 0
 
