@@ -135,6 +135,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hfd_encode_tokens.restype = None
     lib.hfd_decode_tokens.argtypes = [p, *shape, p, p, p, p, p, i32]
     lib.hfd_decode_tokens.restype = None
+    operand = [p, p, p, i32, p, p]  # codes, lo, scale, bits, outlier slots, outlier rows
+    lib.hfd_silu_gated.argtypes = [i64, i64, i64, *operand, *operand, p, p, p, p, i32]
+    lib.hfd_silu_gated.restype = i32
     lib.hfd_token_absmax.argtypes = [p, i64, i64, p, i32]
     lib.hfd_token_absmax.restype = None
     lib.hfd_pack_nonzero.argtypes = [p, i64, i32, p, i32]
@@ -185,6 +188,21 @@ def decode_tokens(out: torch.Tensor, codes, lfc, lo, scale, bits: int, block: in
     kind = LFC_KIND[None if lfc is None else lfc.dtype]
     kernels().hfd_decode_tokens(_ptr(out), m, t, c, block, group, bits, kind, _ptr(lfc), _ptr(lo), _ptr(scale),
                                 _ptr(codes), _ptr(_rows(row_scale, m * t)), _threads(m * t * c))
+
+
+def silu_gated(n: int, c: int, group: int, gate: tuple, up: tuple, grad: torch.Tensor | None,
+               out: tuple[torch.Tensor, ...]) -> None:
+    """``silu(gate) * up`` (``grad`` None) into ``out = (h,)``, else its gradients for ``grad`` into
+    ``out = (d_gate, d_up)``, all ``(n, c)`` contiguous float32, from ``gate`` and ``up`` as
+    compressed: each ``(codes, lo, scale, bits, slot, rows)`` of tokens in groups of ``group``
+    without LFC (``slot``: ``(n,)`` int32, the row of ``rows`` ``(k, c)`` float32 holding a token
+    exactly, -1 for none; both None without outliers)."""
+    h, dg, du = (out[0], None, None) if grad is None else (None, *out)
+    status = kernels().hfd_silu_gated(n, c, group, *(_ptr(t) if isinstance(t, torch.Tensor) else t for t in gate),
+                                      *(_ptr(t) if isinstance(t, torch.Tensor) else t for t in up), _ptr(grad),
+                                      _ptr(h), _ptr(dg), _ptr(du), _threads(n * c))
+    if status:
+        raise MemoryError("hf-division: the SiLU-gated kernel could not allocate its tile buffers")
 
 
 def token_absmax(x3: torch.Tensor) -> torch.Tensor | None:

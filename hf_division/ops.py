@@ -16,6 +16,7 @@ from .accounting import account_tensors
 from .config import DivisionConfig
 from .once import first_order
 from .dropout import DropoutMasks
+from .gated import silu_gated
 from .sdpa_backward import GradientOnlySDPA
 from .store import Entry, derive, keep, recomputing
 
@@ -184,12 +185,16 @@ class GatedFn(torch.autograd.Function):
                 a = acts["a"] = act(g)
                 return u * a if up_first else a * u
 
-        derive(h, ctx.entries, product)
+        ctx.silu = _is_silu(act) and not any(on for _, on, _ in amp)
+        derive(h, ctx.entries, product, whole=_compressed_product if ctx.silu else None)
         return h
 
     @staticmethod
     @first_order
     def backward(ctx, grad):
+        fused = _compressed_grads(ctx.entries, grad) if ctx.silu and all(ctx.needs_input_grad[3:5]) else None
+        if fused is not None:
+            return None, None, None, *fused
         gate, up = (e.take() for e in ctx.entries)
         a = ctx.acts.pop("a", None)
         direct = elementwise_grad(ctx.act) if _SHARED["enabled"] else None
@@ -205,6 +210,25 @@ class GatedFn(torch.autograd.Function):
         g_up = grad * a.detach() if ctx.needs_input_grad[4] else None
         g_gate = torch.autograd.grad(a, gate, grad * up)[0] if ctx.needs_input_grad[3] else None
         return None, None, None, g_gate, g_up
+
+
+def _is_silu(act: Callable) -> bool:
+    return elementwise_grad(act) is torch.ops.aten.silu_backward
+
+
+def _compressed_product(gate: Entry, up: Entry):
+    """``silu(gate) * up`` from the two entries as held (:mod:`hf_division.gated`), or None."""
+    return silu_gated(gate.compressed(), up.compressed())
+
+
+def _compressed_grads(entries: tuple, grad):
+    """GatedFn's ``(d_gate, d_up)`` from the entries as held (:mod:`hf_division.gated`), or None;
+    the entries count as taken."""
+    grads = silu_gated(*(e.compressed() for e in entries), grad)
+    if grads is not None:
+        for e in entries:
+            e.done()
+    return grads
 
 
 _FAST_SDPA = {"enabled": True}

@@ -27,10 +27,13 @@ from .quant import unpack_mask
 class Entry:
     """A saved activation held for backward. ``take()`` rebuilds it for one consumer."""
 
-    __slots__ = ("packed", "parents", "fn", "kind", "extra", "sign", "uses", "users", "_cache", "freed", "__weakref__")
+    __slots__ = ("packed", "parents", "fn", "whole", "kind", "extra", "sign", "uses", "users", "_cache", "freed",
+                 "__weakref__")
 
-    def __init__(self, kind: str, packed=None, parents: tuple = (), fn: Callable | None = None, extra=(), sign=None):
+    def __init__(self, kind: str, packed=None, parents: tuple = (), fn: Callable | None = None, extra=(), sign=None,
+                 whole: Callable | None = None):
         self.packed, self.parents, self.fn, self.kind = packed, tuple(parents), fn, kind
+        self.whole = whole  # ``whole(*parents)``: the recipe from the parent entries themselves, or None
         self.sign = sign  # (bits, n) of ``x > 0``, exact, for activations with a kink at 0
         self.extra = tuple(extra)  # tensors a recipe needs (e.g. a dropout mask), for accounting
         self.uses = 0  # consumers that have not run their backward yet (in this backward)
@@ -59,10 +62,26 @@ class Entry:
             if self.sign is not None:
                 value = _with_sign(value, unpack_mask(*self.sign, value.shape))
         else:
-            value = self.fn(*(p.take() for p in self.parents))
+            value = self._from_parents()
         if self.uses > 1:
             self._cache = value
         return value
+
+    def _from_parents(self) -> torch.Tensor:
+        value = self.whole(*self.parents) if self.whole is not None else None
+        if value is None:
+            return self.fn(*(p.take() for p in self.parents))
+        for parent in self.parents:
+            parent.done()
+        return value
+
+    def compressed(self) -> Packed | None:
+        """The compressed tensor itself, for a kernel that reads it in place of :meth:`take` (the
+        caller then calls :meth:`done`); None where the entry is a recipe, carries an exact sign,
+        or is already rebuilt (then taking it costs nothing)."""
+        if self.packed is None or self.sign is not None or self._cache is not None or self.freed:
+            return None
+        return self.packed
 
     def done(self) -> None:
         """One consumer's backward has used it. After the last one the compressed copy is freed
@@ -76,7 +95,7 @@ class Entry:
             if keep:  # a retained graph: the next backward goes through every consumer again
                 self.uses = self.users
             elif keep is False:
-                self.packed = self.sign = self.fn = None
+                self.packed = self.sign = self.fn = self.whole = None
                 self.parents = self.extra = ()
                 self.freed = True
 
@@ -289,9 +308,11 @@ def _mask_recipe(t: torch.Tensor) -> Callable | None:
 
 
 @bookkeeping
-def derive(t: torch.Tensor, parents: tuple, fn: Callable, extra=()) -> None:
-    """Declare that ``t == fn(*parents)`` so a later consumer of ``t`` stores nothing new."""
-    entry = Entry(parents[0].kind, parents=parents, fn=fn, extra=extra)
+def derive(t: torch.Tensor, parents: tuple, fn: Callable, extra=(), whole: Callable | None = None) -> None:
+    """Declare that ``t == fn(*parents)`` so a later consumer of ``t`` stores nothing new.
+    ``whole(*parent_entries)``, where given, is tried first: the same value computed from the
+    entries as they are held (:meth:`Entry.compressed`), or None to fall back to ``fn``."""
+    entry = Entry(parents[0].kind, parents=parents, fn=fn, extra=extra, whole=whole)
     for parent in parents:
         parent.add_user()
     register(t, entry)

@@ -165,11 +165,12 @@ def test_norm_and_gated_mlp_run_once_in_backward_with_the_same_gradient(monkeypa
     """A norm with parameters on the generic path (RecomputeFn; Llama's RMSNorm switched to it
     here, hf_division.rms_norm being tested in tests/test_rms_norm.py): the rebuild of its output
     for the next layer records the recomputation and the norm's backward reuses it; the gated
-    MLP's product rebuild leaves act(gate) and SiLU's gradient comes from silu_backward. Each runs
+    MLP's product rebuild (with the fused kernel off, tested in tests/test_gated.py) leaves act(gate)
+    and SiLU's gradient comes from silu_backward. Each runs
     once per backward where it ran twice, and the gradient is the same to the bit."""
     from transformers.models.llama import modeling_llama
 
-    from hf_division import ops, rms_norm
+    from hf_division import gated, ops, rms_norm
 
     calls = {"norm": 0, "silu": 0}
     norm, silu = modeling_llama.LlamaRMSNorm.forward, F.silu  # counted where they are looked up at call time
@@ -177,7 +178,7 @@ def test_norm_and_gated_mlp_run_once_in_backward_with_the_same_gradient(monkeypa
     monkeypatch.setattr(F, "silu", lambda x, inplace=False: calls.__setitem__("silu", calls["silu"] + 1) or silu(x, inplace))
     batch = tiny_batch(pad_from=[64, 50, 64, 33])
     grads, counts = {}, {}
-    direct = rms_norm.use_direct_backward(False)
+    direct, fused = rms_norm.use_direct_backward(False), gated.use_fused_gated(False)
     try:
         for shared in (True, False):
             ops.share_recomputation(shared)  # off: recompute without a graph, SiLU's gradient through autograd
@@ -192,6 +193,7 @@ def test_norm_and_gated_mlp_run_once_in_backward_with_the_same_gradient(monkeypa
     finally:
         ops.share_recomputation(True)
         rms_norm.use_direct_backward(direct)
+        gated.use_fused_gated(fused)
     layers = model.config.num_hidden_layers
     assert counts[True] == (2 * layers + 1, layers)  # two norms a layer + the final one; one MLP a layer
     assert counts[False] == (2 * counts[True][0], 2 * layers)

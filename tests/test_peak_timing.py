@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from hf_division import fused, native, rms_norm, suites
+from hf_division import fused, gated, native, rms_norm, suites
 from hf_division.peak import MALLOC_ENV, forked, run_clean, step_peak
 from hf_division.timing import interleaved_medians, round_ratios, timed
 
@@ -78,7 +78,7 @@ GLUE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "glu
 
 @pytest.mark.parametrize("extra", [[], ["--profile", "--top", "3"], ["--token-chunks", "4096"],
                                    ["--glue-dir", GLUE, "--task", "mrpc"], ["--model", "tiny-llama"],
-                                   ["--aten-draws", "--control"], ["--model", "tiny-llama", "--generic-norm"]])
+                                   ["--aten-draws", "--control"], ["--model", "tiny-llama", "--generic-norm", "--rebuilt-gated"]])
 def test_step_time_suite(extra, capsys):
     chunk = fused.TOKEN_CHUNK
     suites.run("step-time", ["--batch", "2", "--seq", "16", "--rounds", "1", "--threads", "1",
@@ -93,8 +93,9 @@ def test_step_time_suite(extra, capsys):
             chunked |= {"baseline-copy", "division-aten-draws"}
             assert native.draws_apply(torch.empty(4), 0.5) == native.draws_match_aten()  # native draws back on
         if "--generic-norm" in extra:  # division with RMSNorm recomputed under autograd, switched back after
-            chunked |= {"division-generic-norm"}
+            chunked |= {"division-generic-norm", "division-rebuilt-gated"}
             assert rms_norm.takes(1e-6)
+            assert gated.use_fused_gated(True)  # and the fused SiLU-gated kernel back on
         if "--task" in extra:  # a new MRPC batch per round, padded to its longest row (at most --seq)
             assert re.search(r"mrpc train batches of 2, padded per batch to \d+-16 tokens", out), out
         assert fused.TOKEN_CHUNK == chunk  # restored after the run

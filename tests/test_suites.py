@@ -13,7 +13,7 @@ from hf_division.noise import reseed
 from hf_division.suites.auto_precision import markdown, neighbours
 from hf_division.suites.common import measure_config
 from hf_division.suites.family import POLICIES
-from hf_division.suites.policy import CANDIDATES, candidates, render
+from hf_division.suites.policy import CANDIDATES, candidates
 from hf_division.zoo import family_model
 
 from conftest import tiny_batch, tiny_model

@@ -16,6 +16,7 @@
  * per block of `block` tokens and channel: the LFC (bf16 bits or float32; none when block == 1).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -138,6 +139,20 @@ static void block_mean(const Shape *s, const float *x, int64_t b0, int64_t j0, i
     }
 }
 
+/* max |x| over n floats, NaN where one is NaN (quant.token_absmax's score over one token's channels) */
+static inline float row_absmax(const float *row, int64_t n) {
+    float m = 0.0f;
+    int32_t nan = 0;
+    /* simd: a max reduction is not vectorized otherwise (its order matters for NaN, flagged apart) */
+    #pragma omp simd reduction(max : m) reduction(| : nan)
+    for (int64_t j = 0; j < n; j++) {
+        float a = fabsf(row[j]);
+        m = a > m ? a : m;
+        nan |= a != a;
+    }
+    return nan ? NAN : m;
+}
+
 /* Pass 1 for one group's tile: the LFC of its blocks (written out) and min / max of x - LFC. */
 static void tile_ranges(const Shape *s, const float *x, int64_t t0, int64_t gt, int64_t j0, int64_t tj,
                         void *lfc, float *mn, float *mx) {
@@ -250,8 +265,10 @@ void hfd_encode_tokens(const float *x, int64_t m, int64_t t, int64_t c, int64_t 
 }
 
 /* ----------------------------------------------------------------------------- decode */
-static void decode_tile(const Shape *s, float *out, int64_t g, int64_t j0, const void *lfc, const uint16_t *lo_bits,
-                        const uint16_t *scale_bits, const uint8_t *codes) {
+/* Rebuilds group g's tokens over the channels j0 .. j0 + DECODE_TILE: row r, channel j of the tensor
+ * go to out[(r - r0) * ld + j - j0] (the whole tensor: ld = C, r0 = 0; one tile: its own buffer). */
+static void decode_tile(const Shape *s, float *out, int64_t ld, int64_t r0, int64_t g, int64_t j0, const void *lfc,
+                        const uint16_t *lo_bits, const uint16_t *scale_bits, const uint8_t *codes) {
     int64_t t0 = g * s->group, gt = s->n - t0 < s->group ? s->n - t0 : s->group, C = s->c;
     int64_t tj = C - j0 < DECODE_TILE ? C - j0 : DECODE_TILE;
     Codes layout = code_layout(gt, s->bits);
@@ -271,7 +288,7 @@ static void decode_tile(const Shape *s, float *out, int64_t g, int64_t j0, const
         for (int i = 0; i < layout.per && u + i * layout.rows < gt; i++) {
             int64_t tt = t0 + u + i * layout.rows, r = row_of(s, tt);
             if (r < 0) continue; /* a padding token: not part of the tensor */
-            float *row = out + r * C + j0;
+            float *row = out + (r - r0) * ld;
             int shift = i * s->bits;
             /* quant.decode_tokens: (lo + LFC) + code * scale; the product is exact (<= 16 bits) */
             if (s->lfc_kind == LFC_NONE) {
@@ -298,8 +315,92 @@ void hfd_decode_tokens(float *out, int64_t m, int64_t t, int64_t c, int64_t bloc
     int64_t groups = (s.n + group - 1) / group, tiles = (c + DECODE_TILE - 1) / DECODE_TILE;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t item = 0; item < groups * tiles; item++)
-        decode_tile(&s, out, item / tiles, item % tiles * DECODE_TILE, lfc, lo, scale, codes);
+        decode_tile(&s, out + item % tiles * DECODE_TILE, c, 0, item / tiles, item % tiles * DECODE_TILE, lfc, lo,
+                    scale, codes);
     free(row_map);
+}
+
+/* ----------------------------------------------------------------------------- SiLU-gated product */
+/* e^x in float32 within about 1 ulp (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-5
+ * polynomial for e^r), in plain arithmetic so the loops below vectorize (libm's expf does not
+ * without -ffast-math). 2^n is applied as two factors so that n in [-150, 128] stays normal in each;
+ * inf above 88.73, 0 below -104, NaN kept. */
+static inline float exp_f32(float x) {
+    float xc = x > 88.75f ? 88.75f : (x < -104.0f ? -104.0f : x);
+    float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    float r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * (r * r) + r + 1.0f;
+    int32_t k = (int32_t)n, k1 = k / 2, k2 = k - k1;
+    y = y * float_of((uint32_t)(k1 + 127) << 23) * float_of((uint32_t)(k2 + 127) << 23);
+    y = x > 88.7228394f ? INFINITY : y;
+    y = x < -103.9720840f ? 0.0f : y;
+    return x != x ? x : y;
+}
+
+/* One operand of the gated product as compressed (compressor.Packed, token groups, block 1): codes,
+ * lo, scale, bits, and its outlier tokens: slot[r] the row of `rows` (C floats) holding token r exactly, -1 none */
+typedef struct { const uint8_t *codes; const uint16_t *lo, *scale; int bits; const int32_t *slot; const float *rows; } Operand;
+
+/* Operand `o`'s group g over channels j0 .. j0 + tj into buf (rows of DECODE_TILE floats), exact rows put back */
+static void operand_tile(const Shape *s, const Operand *o, int64_t g, int64_t j0, int64_t tj, float *buf) {
+    Shape so = *s;
+    so.bits = o->bits;
+    int64_t t0 = g * s->group, gt = s->n - t0 < s->group ? s->n - t0 : s->group;
+    decode_tile(&so, buf, DECODE_TILE, t0, g, j0, NULL, o->lo, o->scale, o->codes);
+    if (o->slot == NULL) return;
+    for (int64_t i = 0; i < gt; i++)
+        if (o->slot[t0 + i] >= 0) memcpy(buf + i * DECODE_TILE, o->rows + o->slot[t0 + i] * s->c + j0, tj * sizeof(float));
+}
+
+/* silu(gate) * up and its gradients from gate and up as compressed, without writing either out
+ * (ops.GatedFn; docs/DESIGN.md, "Gated MLP"). ATen's formulas: silu(x) = x / (1 + e^-x); with
+ * s = 1 / (1 + e^-x), silu'(x) dy = dy * s * (1 + x * (1 - s)). grad NULL: h = silu(gate) * up into
+ * out_h (the down projection's input); else d_gate = silu'(gate) * (grad * up) and d_up = grad * silu(gate).
+ * Tensors (n, c) float32, tokens in groups of `group` (block 1: no LFC, no padding). Returns 0, or -1
+ * where its buffers could not be allocated (nothing written). */
+int hfd_silu_gated(int64_t n, int64_t c, int64_t group, const uint8_t *g_codes, const uint16_t *g_lo,
+                    const uint16_t *g_scale, int g_bits, const int32_t *g_slot, const float *g_rows,
+                    const uint8_t *u_codes, const uint16_t *u_lo, const uint16_t *u_scale, int u_bits,
+                    const int32_t *u_slot, const float *u_rows, const float *grad, float *out_h, float *out_dg,
+                    float *out_du, int threads) {
+    Shape s = {n, c, 1, group, g_bits, LFC_NONE, 0, NULL, NULL};
+    Operand gate = {g_codes, g_lo, g_scale, g_bits, g_slot, g_rows}, up = {u_codes, u_lo, u_scale, u_bits, u_slot, u_rows};
+    int64_t groups = (n + group - 1) / group, tiles = (c + DECODE_TILE - 1) / DECODE_TILE;
+    float *bufs = malloc(sizeof(float) * 2 * group * DECODE_TILE * threads);
+    if (bufs == NULL) return -1;
+    #pragma omp parallel num_threads(threads)
+    {
+        float *gbuf = bufs + 2 * group * DECODE_TILE * omp_get_thread_num(), *ubuf = gbuf + group * DECODE_TILE;
+        #pragma omp for schedule(static)
+        for (int64_t item = 0; item < groups * tiles; item++) {
+            int64_t g = item / tiles, j0 = item % tiles * DECODE_TILE, t0 = g * group;
+            int64_t gt = n - t0 < group ? n - t0 : group, tj = c - j0 < DECODE_TILE ? c - j0 : DECODE_TILE;
+            operand_tile(&s, &gate, g, j0, tj, gbuf);
+            operand_tile(&s, &up, g, j0, tj, ubuf);
+            for (int64_t i = 0; i < gt; i++) {
+                const float *x = gbuf + i * DECODE_TILE, *u = ubuf + i * DECODE_TILE;
+                int64_t at = (t0 + i) * c + j0;
+                if (grad == NULL) {
+                    for (int64_t j = 0; j < tj; j++) out_h[at + j] = x[j] / (1.0f + exp_f32(-x[j])) * u[j];
+                    continue;
+                }
+                for (int64_t j = 0; j < tj; j++) {
+                    float e = 1.0f + exp_f32(-x[j]), sg = 1.0f / e, dy = grad[at + j];
+                    out_du[at + j] = dy * (x[j] / e);
+                    out_dg[at + j] = (dy * u[j]) * sg * (1.0f + x[j] * (1.0f - sg));
+                }
+            }
+        }
+    }
+    free(bufs);
+    return 0;
 }
 
 /* ----------------------------------------------------------------------------- outlier search */
@@ -308,19 +409,7 @@ void hfd_decode_tokens(float *out, int64_t m, int64_t t, int64_t c, int64_t bloc
  * channel axis (64 for an attention head) cost two passes and more than the encode itself. */
 void hfd_token_absmax(const float *x, int64_t n, int64_t c, float *out, int threads) {
     #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t tt = 0; tt < n; tt++) {
-        const float *row = x + tt * c;
-        float m = 0.0f;
-        int32_t nan = 0;
-        /* simd: a max reduction is not vectorized otherwise (its order matters for NaN, flagged apart) */
-        #pragma omp simd reduction(max : m) reduction(| : nan)
-        for (int64_t j = 0; j < c; j++) {
-            float a = fabsf(row[j]);
-            m = a > m ? a : m;
-            nan |= a != a;
-        }
-        out[tt] = nan ? NAN : m;
-    }
+    for (int64_t tt = 0; tt < n; tt++) out[tt] = row_absmax(x + tt * c, c);
 }
 
 /* ----------------------------------------------------------------------------- mask bits */

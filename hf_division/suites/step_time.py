@@ -7,6 +7,7 @@ python -m hf_division.suites step-time --token-chunks 1048576 4194304   # one di
 python -m hf_division.suites step-time --glue-dir ../shared/data/glue --task mrpc   # real batches, padded per batch
 python -m hf_division.suites step-time --aten-draws   # also division with ATen's dropout draws, not the native ones
 python -m hf_division.suites step-time --model llama-4l --generic-norm   # also division with RMSNorm recomputed under autograd
+python -m hf_division.suites step-time --model llama-4l --rebuilt-gated   # also division rebuilding gate and up (no fused SiLU kernel)
 python -m hf_division.suites step-time --control   # also a second unpatched copy of the model: the A/A spread of this run
 
 Real MiniLM-L6 by default. Each round times one step (forward + backward) of every method in
@@ -26,7 +27,7 @@ import torch
 from transformers import HfArgumentParser
 
 from ..config import DivisionConfig
-from .. import fused, native, rms_norm
+from .. import fused, gated, native, rms_norm
 from ..glue import collated_batches, get_task
 from ..api import apply_division
 from ..timing import interleaved_times, round_ratios, timed
@@ -55,6 +56,9 @@ def main(argv=None):
     ap.add_argument("--generic-norm", action="store_true",
                     help="also time division with Llama-form RMSNorms on the generic recomputation "
                          "(hf_division.rms_norm.use_direct_backward)")
+    ap.add_argument("--rebuilt-gated", action="store_true",
+                    help="also time division with the SiLU-gated MLP's gate and up rebuilt as tensors in backward "
+                         "(hf_division.gated.use_fused_gated)")
     ap.add_argument("--control", action="store_true",
                     help="also time an unpatched copy of the model (same work as the baseline): what two identical "
                          "arms read in this run")
@@ -77,6 +81,8 @@ def main(argv=None):
         methods["division-aten-draws"] = methods["division"]
     if args.generic_norm:
         methods["division-generic-norm"] = methods["division"]
+    if args.rebuilt_gated:
+        methods["division-rebuilt-gated"] = methods["division"]
     for size in args.token_chunks:
         chunks[f"division@{size}"] = size
         methods[f"division@{size}"] = methods["division"]
@@ -90,11 +96,13 @@ def main(argv=None):
         fused.TOKEN_CHUNK = chunks.get(name, chunks["division"])
         former = native.set_native_draws(name != "division-aten-draws")
         direct = rms_norm.use_direct_backward(name != "division-generic-norm")
+        fused_gated = gated.use_fused_gated(name != "division-rebuilt-gated")
         try:
             dt = timed(lambda: step(model, batch))
         finally:
             native.set_native_draws(former)
             rms_norm.use_direct_backward(direct)
+            gated.use_fused_gated(fused_gated)
         model.zero_grad(set_to_none=True)
         return dt
 
