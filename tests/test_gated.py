@@ -127,16 +127,18 @@ def test_declines_what_it_does_not_take():
         native.set_native(previous)
 
 
-def test_gated_fn_uses_it_and_matches_the_rebuild(monkeypatch):
-    """A tiny Llama: the kernel computes each layer's product (for the down projection) and its
-    gradients; the gradient equals GatedFn's rebuild of gate and up to float32 rounding, and gate's
-    and up's entries count both uses as taken (freed after backward)."""
+@pytest.mark.parametrize("model_type", ["llama", "phi3", "qwen2"])
+def test_gated_fn_uses_it_and_matches_the_rebuild(model_type, monkeypatch):
+    """Tiny SiLU-gated decoders (Phi-3: ``up * act(gate)`` on the two halves of one projection):
+    the kernel computes each layer's product (for the down projection) and its gradients; the
+    gradient equals GatedFn's rebuild of gate and up to float32 rounding, and gate's and up's
+    entries count both uses as taken (freed after backward)."""
     calls, held = [], []
     real, compressed = native.silu_gated, store.Entry.compressed
     monkeypatch.setattr(native, "silu_gated", lambda *a: calls.append(a[5] is None) or real(*a))
     monkeypatch.setattr(store.Entry, "compressed", lambda self: held.append(self) or compressed(self))
-    model = tiny_model("llama", "sdpa")
-    batch = tiny_batch(pad_from=[64, 50, 64, 33])
+    model = tiny_model(model_type, "sdpa")
+    batch = tiny_batch(pad_from=[64, 50, 64, 33], model_type=model_type)
     hd.apply_division(model, hd.DivisionConfig(rounding="nearest", min_numel=0))
     fused = flat_grad(model, batch, 0)
     assert calls == [True, False] * model.config.num_hidden_layers  # product, then gradients, per layer
