@@ -35,13 +35,14 @@ def applies(gate: Packed | None, up: Packed | None) -> bool:
     """Whether :func:`silu_gated` takes these two compressed operands."""
     if not _STATE["enabled"] or gate is None or up is None:
         return False
+    # equal layouts (permutation and permuted shape) mean equal shapes and strides
     return all(_takes(p) for p in (gate, up)) and gate.layout == up.layout and gate.group_size == up.group_size \
-        and gate.shape == up.shape and native.applies(gate.packed.device, None)
+        and native.applies(gate.packed.device, None)
 
 
 def _takes(p: Packed) -> bool:
     return (p.grouping == "tokens" and p.bits > 0 and p.block_size == 1 and p.lfc is None and p.row_scale is None
-            and p.row_keep is None and p.dtype == torch.float32 and p.packed.device.type == "cpu")
+            and p.row_keep is None and p.dtype == torch.float32)
 
 
 def silu_gated(gate: Packed, up: Packed, grad: torch.Tensor | None = None):
@@ -66,5 +67,5 @@ def _operand(p: Packed, n: int) -> tuple:
     if p.rows is not None and p.row_index.numel():
         slot = torch.full((n,), -1, dtype=torch.int32)
         slot[p.row_index] = torch.arange(p.row_index.numel(), dtype=torch.int32)
-        rows = p.rows.float().contiguous()
+        rows = p.rows.contiguous()  # in p.dtype, float32 (_takes)
     return p.packed, p.lo, p.scale, p.bits, slot, rows

@@ -198,9 +198,8 @@ def silu_gated(n: int, c: int, group: int, gate: tuple, up: tuple, grad: torch.T
     without LFC (``slot``: ``(n,)`` int32, the row of ``rows`` ``(k, c)`` float32 holding a token
     exactly, -1 for none; both None without outliers)."""
     h, dg, du = (out[0], None, None) if grad is None else (None, *out)
-    status = kernels().hfd_silu_gated(n, c, group, *(_ptr(t) if isinstance(t, torch.Tensor) else t for t in gate),
-                                      *(_ptr(t) if isinstance(t, torch.Tensor) else t for t in up), _ptr(grad),
-                                      _ptr(h), _ptr(dg), _ptr(du), _threads(n * c))
+    args = [_ptr(v) if isinstance(v, torch.Tensor) or v is None else v for v in (*gate, *up, grad, h, dg, du)]
+    status = kernels().hfd_silu_gated(n, c, group, *args, _threads(n * c))
     if status:
         raise MemoryError("hf-division: the SiLU-gated kernel could not allocate its tile buffers")
 
