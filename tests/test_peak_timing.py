@@ -78,7 +78,8 @@ GLUE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "glu
 
 @pytest.mark.parametrize("extra", [[], ["--profile", "--top", "3"], ["--token-chunks", "4096"],
                                    ["--glue-dir", GLUE, "--task", "mrpc"], ["--model", "tiny-llama"],
-                                   ["--aten-draws", "--control"], ["--model", "tiny-llama", "--generic-norm", "--rebuilt-gated"]])
+                                   ["--aten-draws", "--control"], ["--model", "tiny-llama", "--generic-norm", "--rebuilt-gated"],
+                                   ["--split", "--rounds", "2"]])
 def test_step_time_suite(extra, capsys):
     chunk = fused.TOKEN_CHUNK
     suites.run("step-time", ["--batch", "2", "--seq", "16", "--rounds", "1", "--threads", "1",
@@ -87,6 +88,13 @@ def test_step_time_suite(extra, capsys):
     if "--profile" in extra:
         assert "self CPU ms of one step" in out and len(out.strip().splitlines()) == 2 + 3
     else:
+        if "--split" in extra:  # the forward and the backward apart, after the whole step
+            out, parts = _split_parts(out)
+            assert all(set(p) == {"baseline", "division", "checkpointing"} and p["baseline"][1] == 1.0
+                       for p in parts.values()), parts
+            for arm in ("baseline", "division", "checkpointing"):  # a step is its forward and its backward
+                step = float(re.search(rf"^{arm}\s+([\d.]+)", out, re.M).group(1))
+                assert 0 < parts["forward"][arm][0] < step and 0 < parts["backward"][arm][0] < step
         rows = {line.split()[0]: float(line.split()[2]) for line in out.splitlines()[2:]}
         chunked = {"division@4096"} if "--token-chunks" in extra else set()
         if "--control" in extra:  # an unpatched copy, and division drawing dropout with ATen's bernoulli_
@@ -102,6 +110,17 @@ def test_step_time_suite(extra, capsys):
         assert set(rows) == {"baseline", "division", "checkpointing"} | chunked and rows["baseline"] == 1.0
         assert ("tiny Llama" if "--model" in extra else "all-MiniLM-L6-v2") in out.splitlines()[0]
         assert re.search(r"^division\s+[\d.]+\s+[\d.]+\s+[\d.]+ \[[\d.]+-[\d.]+\]$", out, re.M), out
+
+
+def _split_parts(out: str) -> tuple[str, dict]:
+    """The whole-step report, and ``{part: {arm: (median s, ratio)}}`` of the parts after it."""
+    head, _, rest = out.partition("forward only:\n")
+    fwd, _, bwd = rest.partition("backward only:\n")
+    parts = {}
+    for name, text in (("forward", fwd), ("backward", bwd)):
+        rows = [line.split() for line in text.splitlines()[1:] if line.strip()]
+        parts[name] = {r[0]: (float(r[1]), float(r[2])) for r in rows}
+    return head, parts
 
 
 def test_step_time_suite_real_batches_vary_and_bad_task_is_named():

@@ -9,6 +9,7 @@ python -m hf_division.suites step-time --aten-draws   # also division with ATen'
 python -m hf_division.suites step-time --model llama-4l --generic-norm   # also division with RMSNorm recomputed under autograd
 python -m hf_division.suites step-time --model llama-4l --rebuilt-gated   # also division rebuilding gate and up (no fused SiLU kernel)
 python -m hf_division.suites step-time --control   # also a second unpatched copy of the model: the A/A spread of this run
+python -m hf_division.suites step-time --split   # also the forward (up to the loss) and the backward apart
 
 Real MiniLM-L6 by default. Each round times one step (forward + backward) of every method in
 turn, so machine noise hits all methods alike; the report gives each method's median, its ratio
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import time
 
 import torch
 from transformers import HfArgumentParser
@@ -34,11 +36,16 @@ from ..timing import interleaved_times, round_ratios, timed
 from ..zoo import DESCRIPTION, SHAPES, build_classifier, minilm_tokenizer
 
 
-def step(model, batch) -> None:
-    model(**batch).loss.backward()
+def step(model, batch, forward_seconds: list | None = None) -> None:
+    """One training step; the forward's seconds (up to the loss) appended to ``forward_seconds``."""
+    t0 = time.perf_counter()
+    loss = model(**batch).loss
+    if forward_seconds is not None:
+        forward_seconds.append(time.perf_counter() - t0)
+    loss.backward()
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m hf_division.suites step-time", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="minilm", choices=["minilm", *SHAPES], help="real MiniLM or a random-init shape")
@@ -49,6 +56,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", action="store_true", help="profile one step of baseline and division instead")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--split", action="store_true",
+                    help="also report the forward (up to the loss) and the backward of each step apart")
     ap.add_argument("--token-chunks", type=int, nargs="*", default=[],
                     help="also time division at these compiled chunk sizes (elements; hf_division.fused.TOKEN_CHUNK)")
     ap.add_argument("--aten-draws", action="store_true",
@@ -64,11 +73,11 @@ def main(argv=None):
                          "arms read in this run")
     ap.add_argument("--glue-dir", help="GLUE folder (with --task)")
     ap.add_argument("--task", help="time real batches of this two-label GLUE task's train split (needs --glue-dir)")
-    args, rest = ap.parse_known_args(argv)
-    if args.task and (not args.glue_dir or get_task(args.task).num_labels != 2):
-        ap.error(f"--task {args.task}: needs --glue-dir and a two-label task (the classifier has two labels)")
-    (dc,) = HfArgumentParser(DivisionConfig).parse_args_into_dataclasses([a.replace("--division_", "--") for a in rest])
-    torch.set_num_threads(args.threads)
+    return ap
+
+
+def build_methods(args, dc: DivisionConfig) -> tuple[dict, dict]:
+    """``{arm: model}`` (the variants of division share its model) and ``{arm: compiled chunk size}``."""
     base = build_classifier(args.model, args.attn)
     methods = {"baseline": base, "division": apply_division(copy.deepcopy(base), dc)}
     ckpt = copy.deepcopy(base)
@@ -76,20 +85,29 @@ def main(argv=None):
     methods["checkpointing"] = ckpt
     if args.control:
         methods["baseline-copy"] = copy.deepcopy(base)
+    for flag, arm in ((args.aten_draws, "division-aten-draws"), (args.generic_norm, "division-generic-norm"),
+                      (args.rebuilt_gated, "division-rebuilt-gated")):
+        if flag:
+            methods[arm] = methods["division"]
     chunks = {"division": fused.TOKEN_CHUNK}
-    if args.aten_draws:
-        methods["division-aten-draws"] = methods["division"]
-    if args.generic_norm:
-        methods["division-generic-norm"] = methods["division"]
-    if args.rebuilt_gated:
-        methods["division-rebuilt-gated"] = methods["division"]
     for size in args.token_chunks:
         chunks[f"division@{size}"] = size
         methods[f"division@{size}"] = methods["division"]
+    return methods, chunks
+
+
+def main(argv=None):
+    ap = parser()
+    args, rest = ap.parse_known_args(argv)
+    if args.task and (not args.glue_dir or get_task(args.task).num_labels != 2):
+        ap.error(f"--task {args.task}: needs --glue-dir and a two-label task (the classifier has two labels)")
+    (dc,) = HfArgumentParser(DivisionConfig).parse_args_into_dataclasses([a.replace("--division_", "--") for a in rest])
+    torch.set_num_threads(args.threads)
+    methods, chunks = build_methods(args, dc)
     batches = real_batches(args) if args.task else [random_batch(args.batch, args.seq)]
     if args.profile:
         return profile(methods, batches[0], args.top)
-    current = {"batch": batches[0]}
+    current, forward = {"batch": batches[0]}, {name: [] for name in methods}
 
     def seconds(name):
         model, batch = methods[name], current["batch"]
@@ -98,7 +116,7 @@ def main(argv=None):
         direct = rms_norm.use_direct_backward(name != "division-generic-norm")
         fused_gated = gated.use_fused_gated(name != "division-rebuilt-gated")
         try:
-            dt = timed(lambda: step(model, batch))
+            dt = timed(lambda: step(model, batch, forward[name]))
         finally:
             native.set_native_draws(former)
             rms_norm.use_direct_backward(direct)
@@ -111,20 +129,30 @@ def main(argv=None):
                                   before_round=lambda r: current.update(batch=batches[r % len(batches)]))
     finally:
         fused.TOKEN_CHUNK = chunks["division"]
-    report(args, batches, times)
+    print(f"{DESCRIPTION[args.model]}, {describe(args, batches)}, attn {args.attn}, {args.rounds} interleaved rounds, "
+          f"{args.threads} threads")
+    report(times)
+    if args.split:
+        for part, part_times in split_times(times, forward).items():
+            print(f"{part} only:")
+            report(part_times)
 
 
-def report(args, batches, times: dict) -> None:
+def split_times(times: dict, forward: dict) -> dict:
+    """``{"forward": {arm: seconds}, "backward": ...}`` of the timed rounds; ``forward[arm]`` also
+    holds the warm-up round, first."""
+    fwd = {k: forward[k][len(forward[k]) - len(v):] for k, v in times.items()}
+    return {"forward": fwd, "backward": {k: [t - f for t, f in zip(v, fwd[k])] for k, v in times.items()}}
+
+
+def report(times: dict) -> None:
     """One row per method: median seconds, ratio of medians, per-round ratio median [quartiles]."""
     med = {k: statistics.median(v) for k, v in times.items()}
     per_round = round_ratios(times, "baseline")
-    print(f"{DESCRIPTION[args.model]}, {describe(args, batches)}, attn {args.attn}, {args.rounds} interleaved rounds, "
-          f"{args.threads} threads")
     print(f"{'method':<22} {'median s':>9} {'ratio':>6}  {'per-round ratio [quartiles]':>28}")
     for k, v in med.items():
         r, q1, q3 = per_round[k]
         print(f"{k:<22} {v:>9.3f} {v / med['baseline']:>6.2f}  {r:>10.3f} [{q1:.3f}-{q3:.3f}]")
-
 
 
 def random_batch(batch: int, seq: int) -> dict:
