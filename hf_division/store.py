@@ -272,39 +272,59 @@ def keep_mask(t: torch.Tensor, kind: str = "attention") -> Entry | None:
         rebuild = _mask_recipe(t)
         if rebuild is None:
             return None
-        entry = Entry(kind, fn=rebuild, extra=[rebuild.bits])
+        entry = Entry(kind, fn=rebuild, extra=rebuild.extra)
         register(t, entry)
     entry.add_user()
     return entry
 
 
 def _mask_recipe(t: torch.Tensor) -> Callable | None:
-    """A no-argument function rebuilding ``t`` from its bits (kept as its ``bits`` attribute), or
-    None if ``t`` is not such a two-valued mask or would not be smaller (:func:`keep_mask`)."""
+    """A no-argument function rebuilding ``t`` from its bits (kept as its ``extra`` attribute, with
+    the bias below), or None if ``t`` is not such a mask or would not be smaller (:func:`keep_mask`).
+
+    A float mask is "blocked -> its minimum" over a base that does not vary along the query axis
+    (-2): zero (Transformers' additive masks) or a per-key bias (ALiBi, which Falcon adds into the
+    mask since Transformers 5.25, docs/DESIGN.md "Attention masks as bits"). The blocked pattern is
+    held once over the leading axes it does not vary along (ALiBi's heads). Exactness is checked."""
     if t.requires_grad:  # a learned bias, not a mask
         return None
     if t.dtype == torch.bool:
-        attend, fill = t, None
-    elif t.is_floating_point() and t.device.type == "cpu" and t.numel():
+        blocked, fill, base = ~t, None, None
+    elif t.is_floating_point() and t.device.type == "cpu" and t.numel() and t.dim() >= 2:
         fill = t.min().item()
-        attend = t == 0
-        if not bool((attend | (t == fill)).all()):  # a third value (a bias): not a mask
-            return None
+        blocked = t == fill
+        base = t.masked_fill(blocked, float("-inf")).amax(-2, keepdim=True)
+        base = base.masked_fill_(base.isinf(), 0.0)  # a key no query attends: its base is never read
+        base = base if bool(base.any()) else None
     else:
         return None
-    if -(-t.numel() // 8) >= t.untyped_storage().nbytes():
+    blocked = _fewest_axes(blocked)
+    bias = [] if base is None else [base]
+    bits, n = pack_mask(blocked)
+    if bits.numel() + sum(b.numel() * b.element_size() for b in bias) >= t.untyped_storage().nbytes():
         return None
-    bits, n = pack_mask(attend)
-    shape, dtype, device = t.shape, t.dtype, t.device
+    shape, small, dtype, device = t.shape, blocked.shape, t.dtype, t.device
 
     def rebuild() -> torch.Tensor:
-        keep = unpack_mask(bits, n, shape).bool()
+        off = unpack_mask(bits, n, small).bool().expand(shape)
         if fill is None:
-            return keep
-        return torch.full(shape, fill, dtype=dtype, device=device).masked_fill_(keep, 0.0)
+            return (~off).contiguous()
+        value = torch.zeros((), dtype=dtype, device=device) if base is None else base
+        return torch.where(off, torch.full((), fill, dtype=dtype, device=device), value).expand(shape).contiguous()
 
-    rebuild.bits = bits
+    if fill is not None and not torch.equal(rebuild(), t):  # a third value, or a bias varying per query
+        return None
+    rebuild.extra = [bits, *bias]
     return rebuild
+
+
+def _fewest_axes(blocked: torch.Tensor) -> torch.Tensor:
+    """``blocked`` narrowed to size 1 along each leading axis (all but the last two) it does not vary along."""
+    for axis in range(blocked.dim() - 2):
+        first = blocked.narrow(axis, 0, 1)
+        if blocked.size(axis) > 1 and torch.equal(first.expand_as(blocked), blocked):
+            blocked = first
+    return blocked
 
 
 @bookkeeping

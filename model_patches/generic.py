@@ -7,8 +7,8 @@ it. Token axis: the second-to-last dim, as for every patcher.
 
 What those cannot reach keeps its saved tensors compressed where autograd saves them
 (:func:`~hf_division.patching.patch_saved`): attention modules of a model that computes attention
-inline (DeBERTa, Falcon), mixture-of-experts blocks (experts held as 3-D parameters), MLPs that
-are not the standard gated one (ModernBERT's fused ``Wi``), and modules that run a convolution
+inline (DeBERTa; Falcon before Transformers 5.25), mixture-of-experts blocks (experts held as 3-D
+parameters), MLPs that are not the standard gated one (ModernBERT's fused ``Wi``), and modules that run a convolution
 front inline (Whisper's encoder). Dedicated patchers do better where they know the op (docs/ARCHITECTURES.md,
 "Generic fallback").
 """

@@ -46,7 +46,7 @@ def test_generic_fallback(model_type, impl):
 
 
 #: types people fine-tune whose modules the generic rules must reach without their patcher: inline
-#: attention (deberta-v2, falcon), fused GLU (modernbert), conv front (whisper), experts (MoE)
+#: attention (deberta-v2; falcon before Transformers 5.25), fused GLU (modernbert), conv front (whisper), experts (MoE)
 LISTED = ["deberta-v2", "modernbert", "bart", "mbart", "whisper", "clip", "siglip", "gemma3_text", "qwen3_moe",
           "mixtral", "gpt_neox", "falcon", "phi"]
 

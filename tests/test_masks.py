@@ -27,7 +27,9 @@ def test_mask_rebuilt_exactly_from_bits(name):
     mask = _masks()[name]
     entry = keep_mask(mask)
     assert entry is not None
-    assert sum(t.numel() * t.element_size() for t in entry.tensors()) == -(-mask.numel() // 8)
+    # the blocked pattern is held once along an axis it does not vary along (every row attends all)
+    per_bit = mask[:1].numel() if name == "all attend" else mask.numel()
+    assert sum(t.numel() * t.element_size() for t in entry.tensors()) == -(-per_bit // 8)
     assert keep_mask(mask) is entry  # a second layer reuses the first one's bits
     rebuilt = entry.take()
     assert rebuilt.dtype == mask.dtype and rebuilt.shape == mask.shape
@@ -35,10 +37,45 @@ def test_mask_rebuilt_exactly_from_bits(name):
                        mask.view(torch.uint8) if mask.dtype != torch.bool else mask)
 
 
+def _alibi_mask(heads=4, t=32, dtype=torch.float32):
+    """Falcon's mask since Transformers 5.25: ``alibi / sqrt(d)`` per head and key, "blocked" (causal
+    or left padding) set to the dtype's minimum."""
+    g = torch.Generator().manual_seed(1)
+    keys = torch.ones(3, t, dtype=torch.long)
+    keys[1, :5] = 0
+    keys[2, :17] = 0
+    slopes = torch.rand(heads, generator=g) + 0.1
+    bias = (slopes[:, None] * ((keys.cumsum(-1) - 1) * keys)[:, None, :]).to(dtype)[:, :, None, :] / 4
+    blocked = torch.ones(t, t, dtype=torch.bool).triu(1) | (keys == 0)[:, None, None, :]
+    return bias.expand(3, heads, t, t).masked_fill(blocked, torch.finfo(dtype).min), bias
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mask_with_a_per_key_bias_held_as_bits_and_the_bias(dtype):
+    mask, bias = _alibi_mask(dtype=dtype)
+    entry = keep_mask(mask)
+    assert entry is not None
+    held = sum(t.numel() * t.element_size() for t in entry.tensors())
+    # the pattern once for all heads, (3, 1, 32, 32) bits, plus the (3, heads, 1, 32) bias
+    assert held == 3 * 32 * 32 // 8 + bias.numel() * bias.element_size()
+    assert torch.equal(entry.take().view(torch.uint8), mask.view(torch.uint8))
+
+
+def test_mask_with_a_pattern_per_head_keeps_every_head():
+    mask, _ = _alibi_mask()
+    mask[:, 1, :, 0] = torch.finfo(mask.dtype).min  # head 1 blocks key 0 as well
+    entry = keep_mask(mask)
+    assert torch.equal(entry.take(), mask)
+    assert entry.tensors()[0].numel() == mask.numel() // 8
+
+
 def test_other_masks_held_as_they_are():
     bias = torch.randn(2, 1, 16, 16)  # a position bias, not a mask: more than two values
     broadcast = torch.zeros(2, 1, 1, 16).masked_fill_(torch.rand(2, 1, 1, 16) > 0.5, -1e9).expand(2, 1, 64, 16)
     assert keep_mask(bias) is None
+    per_query = _alibi_mask()[0]
+    per_query[0, 0, 5, 2] += 1.0  # the bias of one key differs between two queries
+    assert keep_mask(per_query) is None
     assert keep_mask(broadcast) is None  # its storage (2 x 16 floats) is no larger than the bits
     assert keep_mask(torch.full((2, 1, 16, 16), float("nan"))) is None
     assert keep_mask(torch.zeros(2, 1, 16, 16, requires_grad=True)) is None
