@@ -32,8 +32,11 @@ from .quant import bit_table, unpack_mask
 from .quant import pack_mask as quant_pack_mask
 
 SOURCE = Path(__file__).with_name("csrc") / "division_cpu.c"
-#: -ffp-contract=off: each product and sum rounded on its own, as in the tensor code (same bytes)
-FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fPIC", "-shared", "-std=gnu11"]
+#: -ffp-contract=off: each product and sum rounded on its own, as in the tensor code (same bytes).
+#: -fno-trapping-math: without it GCC keeps a float comparison (the clamps of the SiLU kernel's e^x)
+#: as a branch, which leaves the gated loops scalar on AVX2 CPUs; it changes no value, only whether
+#: a comparison may be computed for every lane (docs/DESIGN.md, "Gated MLP").
+FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared", "-std=gnu11"]
 #: LFC kinds of the C side (``enum`` in the source)
 LFC_KIND = {None: 0, torch.bfloat16: 1, torch.float32: 2}
 
