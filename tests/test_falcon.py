@@ -19,7 +19,7 @@ VARIANTS = {
 PADDED = [128, 100, 77, 128]
 
 
-def _loss_logits(model, batch, seed=3):
+def _logits(model, batch, seed=3):
     torch.manual_seed(seed)
     return model(**batch).logits
 
@@ -29,13 +29,13 @@ def _loss_logits(model, batch, seed=3):
 def test_forward_bit_identical_gradient_close_bytes_fewer(variant, impl):
     model = tiny_model("falcon", impl, **VARIANTS[variant]).train()
     batch = tiny_batch(batch=4, seq=128, pad_from=PADDED)
-    ref = _loss_logits(model, batch)
+    ref = _logits(model, batch)
     model.eval()
     ref_eval = model(**batch).logits
     mem = hd.measure_activation_memory(model, batch)
     cos = gradient_cosine(model, batch, seeds=(0, 1))
     hd.apply_division(model)
-    assert torch.equal(_loss_logits(model.train(), batch), ref)
+    assert torch.equal(_logits(model.train(), batch), ref)
     assert torch.equal(model.eval()(**batch).logits, ref_eval)
     assert min(cos) >= 0.98, cos
     assert mem.ratio >= 4, mem.table()
