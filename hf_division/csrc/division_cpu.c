@@ -23,6 +23,8 @@
 
 #define TILE 128 /* channels per encode work item: a group's tile (G x TILE floats) stays in L2 between the passes */
 #define DECODE_TILE 256 /* channels per decode work item: one pass, longer rows per loop */
+#define PREFETCH_AHEAD 4 /* tokens: pass 1 asks for a row this far ahead (docs/DESIGN.md, "Native CPU kernels") */
+#define LFC_BLOCKS 32 /* blocks of one group whose LFC pass 2 converts once, not once per token */
 
 enum { LFC_NONE = 0, LFC_BF16 = 1, LFC_F32 = 2 };
 
@@ -86,6 +88,13 @@ static inline const float *token_row(const Shape *s, const float *x, int64_t tt,
     return buf;
 }
 
+/* Ask for padded token tt's row over a tile before it is read: a tile reads a few cache lines of each
+ * token, one row apart, which the hardware prefetcher does not follow (docs/DESIGN.md, "Native CPU kernels"). */
+static inline void prefetch_row(const Shape *s, const float *x, int64_t tt, int64_t j0, int64_t tj) {
+    const char *row = (const char *)(x + row_of(s, tt) * s->c + j0);
+    for (int64_t k = 0; k < tj * (int64_t)sizeof(float); k += 64) __builtin_prefetch(row + k);
+}
+
 /* The shape of M sequences of T tokens padded to whole blocks, and its row map where padding
  * applies (*row_map, to free): encoding reads a padding token from its sequence's last token,
  * decoding skips it. Computed once per call: a division per token and tile cost more than the kernel. */
@@ -121,6 +130,7 @@ static inline void tile_minmax(const float *row, const float *lf, int64_t tj, fl
 static void block_mean(const Shape *s, const float *x, int64_t b0, int64_t j0, int64_t tj, void *lfc, float *lf) {
     float acc[TILE] = {0}, buf[TILE];
     for (int64_t tt = b0; tt < b0 + s->block; tt++) {
+        if (tt + PREFETCH_AHEAD < s->n) prefetch_row(s, x, tt + PREFETCH_AHEAD, j0, tj);
         const float *row = token_row(s, x, tt, j0, tj, buf);
         for (int64_t j = 0; j < tj; j++) acc[j] += row[j];
     }
@@ -161,8 +171,10 @@ static void tile_ranges(const Shape *s, const float *x, int64_t t0, int64_t gt, 
     for (int64_t j = 0; j < tj; j++) { mn[j] = INFINITY; mx[j] = -INFINITY; }
     for (int64_t b0 = t0; b0 < t0 + gt; b0 += s->block) {
         if (s->lfc_kind != LFC_NONE) block_mean(s, x, b0, j0, tj, lfc, lf);
-        for (int64_t tt = b0; tt < b0 + s->block; tt++)
+        for (int64_t tt = b0; tt < b0 + s->block; tt++) {
+            if (s->lfc_kind == LFC_NONE && tt + PREFETCH_AHEAD < t0 + gt) prefetch_row(s, x, tt + PREFETCH_AHEAD, j0, tj);
             tile_minmax(token_row(s, x, tt, j0, tj, buf), lf, tj, mn, mx, nan);
+        }
     }
     for (int64_t j = 0; j < tj; j++)
         if (nan[j]) mn[j] = mx[j] = NAN;
@@ -205,12 +217,18 @@ static void tile_codes(const Shape *s, const float *x, int64_t t0, int64_t gt, i
                        uint32_t seed) {
     Codes layout = code_layout(gt, s->bits);
     const float levels = (float)((1 << s->bits) - 1);
+    /* the tokens of one word lie in different blocks: their LFC is converted once per block here */
+    float held[LFC_BLOCKS * TILE];
+    int64_t blocks = (gt + s->block - 1) / s->block;
+    int is_held = s->lfc_kind != LFC_NONE && blocks <= LFC_BLOCKS;
+    for (int64_t b = 0; is_held && b < blocks; b++) tile_lfc(s, lfc, t0 + b * s->block, j0, tj, held + b * TILE);
     for (int64_t u = 0; u < layout.rows; u++) {
         uint32_t w[TILE] = {0};
-        float lf[TILE], buf[TILE];
+        float own[TILE], buf[TILE];
         for (int i = 0; i < layout.per && u + i * layout.rows < gt; i++) {
             int64_t tt = t0 + u + i * layout.rows;
-            if (s->lfc_kind != LFC_NONE) tile_lfc(s, lfc, tt, j0, tj, lf);
+            float *lf = is_held ? held + block_of(s, tt - t0) * TILE : own;
+            if (!is_held && s->lfc_kind != LFC_NONE) tile_lfc(s, lfc, tt, j0, tj, lf);
             uint32_t e = (uint32_t)(tt * s->c + j0) + seed; /* element index + seed, modulo 2**32 */
             token_codes(token_row(s, x, tt, j0, tj, buf), s->lfc_kind == LFC_NONE ? NULL : lf, lo, inv, tj, levels,
                         stochastic, e, i * s->bits, w);
