@@ -70,3 +70,15 @@ def round_ratios(times: dict[str, list[float]], ref: str) -> dict[str, tuple[flo
         q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
         out[name] = (statistics.median(ratios), q[0], q[2])
     return out
+
+
+def quartile_ratios(times: dict[str, list[float]], ref: str) -> dict[str, float]:
+    """``{name: first quartile of its times / first quartile of ref's}``. Another process or a
+    neighbour on the machine only ever adds time to a step, so the faster steps of each arm are
+    the ones least touched by it; the first quartile takes them without resting on one extreme
+    round as the minimum would (docs/RESULTS.md, How it is measured)."""
+    def q1(ts):
+        return statistics.quantiles(ts, n=4)[0] if len(ts) > 1 else ts[0]
+
+    base = q1(times[ref])
+    return {name: q1(ts) / base for name, ts in times.items()}

@@ -1,5 +1,6 @@
 """The measuring helpers: peak memory (``hf_division.peak``), interleaved step times
 (``hf_division.timing``) and the suites built on them (``step-time``, ``memory``)."""
+import json
 import os
 import re
 import time
@@ -9,7 +10,7 @@ import torch
 
 from hf_division import fused, gated, native, rms_norm, suites
 from hf_division.peak import MALLOC_ENV, forked, run_clean, step_peak
-from hf_division.timing import interleaved_medians, round_ratios, timed
+from hf_division.timing import interleaved_medians, quartile_ratios, round_ratios, timed
 
 
 def test_interleaved_medians_rotate_and_drop_the_warm_up_round():
@@ -34,6 +35,14 @@ def test_round_ratios_compare_steps_of_the_same_round():
     assert out["base"] == (1.0, 1.0, 1.0)
     med, q1, q3 = out["div"]
     assert med == pytest.approx(1.1) and q1 <= med <= q3 and q3 == pytest.approx(1.2)
+
+
+def test_quartile_ratios_take_the_faster_steps():
+    # one round of "div" hit by other load: the median ratio moves with it, the first quartiles do not
+    times = {"base": [1.0, 1.0, 1.0, 1.0, 1.0], "div": [1.1, 1.1, 1.1, 5.0, 5.0]}
+    out = quartile_ratios(times, "base")
+    assert out["base"] == 1.0 and out["div"] == pytest.approx(1.1)
+    assert quartile_ratios({"base": [2.0], "div": [3.0]}, "base")["div"] == 1.5  # one round: its own times
 
 
 def test_step_peak_sees_a_step_s_transient_allocation():
@@ -79,12 +88,19 @@ GLUE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "glu
 @pytest.mark.parametrize("extra", [[], ["--profile", "--top", "3"], ["--token-chunks", "4096"],
                                    ["--glue-dir", GLUE, "--task", "mrpc"], ["--model", "tiny-llama"],
                                    ["--aten-draws", "--control"], ["--model", "tiny-llama", "--generic-norm", "--rebuilt-gated"],
-                                   ["--split", "--rounds", "2"]])
-def test_step_time_suite(extra, capsys):
+                                   ["--split", "--rounds", "2", "--json", "{tmp}/times.json"]])
+def test_step_time_suite(extra, capsys, tmp_path):
     chunk = fused.TOKEN_CHUNK
+    extra = [a.format(tmp=tmp_path) for a in extra]
     suites.run("step-time", ["--batch", "2", "--seq", "16", "--rounds", "1", "--threads", "1",
                              "--division_block_size", "8", *extra])
     out = capsys.readouterr().out
+    if "--json" in extra:  # every timed round's seconds, per arm; the forward shorter than its step
+        saved = json.loads((tmp_path / "times.json").read_text())
+        assert saved["command"][0] == "step-time" and "--split" in saved["command"]
+        assert set(saved["step_seconds"]) == {"baseline", "division", "checkpointing"}
+        for arm, steps in saved["step_seconds"].items():
+            assert len(steps) == 2 and all(0 < f < s for f, s in zip(saved["forward_seconds"][arm], steps))
     if "--profile" in extra:
         assert "self CPU ms of one step" in out and len(out.strip().splitlines()) == 2 + 3
     else:
@@ -109,7 +125,8 @@ def test_step_time_suite(extra, capsys):
         assert fused.TOKEN_CHUNK == chunk  # restored after the run
         assert set(rows) == {"baseline", "division", "checkpointing"} | chunked and rows["baseline"] == 1.0
         assert ("tiny Llama" if "--model" in extra else "all-MiniLM-L6-v2") in out.splitlines()[0]
-        assert re.search(r"^division\s+[\d.]+\s+[\d.]+\s+[\d.]+ \[[\d.]+-[\d.]+\]$", out, re.M), out
+        assert re.search(r"^division\s+[\d.]+\s+[\d.]+\s+[\d.]+ \[[\d.]+-[\d.]+\]\s+[\d.]+$", out, re.M), out
+        assert re.search(r"^baseline\s+[\d.]+\s+1\.00\s+1\.000 \[1\.000-1\.000\]\s+1\.000$", out, re.M), out
 
 
 def _split_parts(out: str) -> tuple[str, dict]:

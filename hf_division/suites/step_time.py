@@ -10,6 +10,7 @@ python -m hf_division.suites step-time --model llama-4l --generic-norm   # also 
 python -m hf_division.suites step-time --model llama-4l --rebuilt-gated   # also division rebuilding gate and up (no fused SiLU kernel)
 python -m hf_division.suites step-time --control   # also a second unpatched copy of the model: the A/A spread of this run
 python -m hf_division.suites step-time --split   # also the forward (up to the loss) and the backward apart
+python -m hf_division.suites step-time --json docs/results/step_time.json   # also every round's seconds, per arm
 
 Real MiniLM-L6 by default. Each round times one step (forward + backward) of every method in
 turn, so machine noise hits all methods alike; the report gives each method's median, its ratio
@@ -32,8 +33,9 @@ from ..config import DivisionConfig
 from .. import fused, gated, native, rms_norm
 from ..glue import collated_batches, get_task
 from ..api import apply_division
-from ..timing import interleaved_times, round_ratios, timed
+from ..timing import interleaved_times, quartile_ratios, round_ratios, timed
 from ..zoo import DESCRIPTION, SHAPES, build_classifier, minilm_tokenizer
+from .common import write_json
 
 
 def step(model, batch, forward_seconds: list | None = None) -> None:
@@ -71,6 +73,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--control", action="store_true",
                     help="also time an unpatched copy of the model (same work as the baseline): what two identical "
                          "arms read in this run")
+    ap.add_argument("--json", help="also write every timed round's seconds (step and forward) per arm here")
     ap.add_argument("--glue-dir", help="GLUE folder (with --task)")
     ap.add_argument("--task", help="time real batches of this two-label GLUE task's train split (needs --glue-dir)")
     return ap
@@ -132,6 +135,10 @@ def main(argv=None):
     print(f"{DESCRIPTION[args.model]}, {describe(args, batches)}, attn {args.attn}, {args.rounds} interleaved rounds, "
           f"{args.threads} threads")
     report(times)
+    write_json(args.json, {"command": ["step-time", *(argv or [])],
+                           "setting": f"{DESCRIPTION[args.model]}, {describe(args, batches)}, attn {args.attn}, "
+                                      f"{args.threads} threads",
+                           "step_seconds": times, "forward_seconds": split_times(times, forward)["forward"]})
     if args.split:
         for part, part_times in split_times(times, forward).items():
             print(f"{part} only:")
@@ -146,13 +153,15 @@ def split_times(times: dict, forward: dict) -> dict:
 
 
 def report(times: dict) -> None:
-    """One row per method: median seconds, ratio of medians, per-round ratio median [quartiles]."""
+    """One row per method: median seconds, ratio of medians, per-round ratio median [quartiles],
+    ratio of first quartiles (the faster steps, least touched by other load on the machine)."""
     med = {k: statistics.median(v) for k, v in times.items()}
     per_round = round_ratios(times, "baseline")
-    print(f"{'method':<22} {'median s':>9} {'ratio':>6}  {'per-round ratio [quartiles]':>28}")
+    fast = quartile_ratios(times, "baseline")
+    print(f"{'method':<22} {'median s':>9} {'ratio':>6}  {'per-round ratio [quartiles]':>28}  {'q1 ratio':>8}")
     for k, v in med.items():
         r, q1, q3 = per_round[k]
-        print(f"{k:<22} {v:>9.3f} {v / med['baseline']:>6.2f}  {r:>10.3f} [{q1:.3f}-{q3:.3f}]")
+        print(f"{k:<22} {v:>9.3f} {v / med['baseline']:>6.2f}  {r:>10.3f} [{q1:.3f}-{q3:.3f}]  {fast[k]:>8.3f}")
 
 
 def random_batch(batch: int, seq: int) -> dict:
