@@ -163,3 +163,19 @@ def test_draws_suite_times_and_checks_both_draws(capsys, monkeypatch):
     assert out.count("same draws and stream: True") == 2 and "one MiniLM step's draws" in out
     step = rows[(1, "step")]
     assert step["aten"] > 0 and step["native"] > 0
+
+
+def test_compressor_times_cover_rounding_and_the_outlier_score():
+    from hf_division import native
+    from hf_division.suites.compressor import compressor_times
+
+    before = native.set_native(True)
+    native.set_native(before)
+    rows = compressor_times(torch.randn(2, 32, 64))
+    assert all(t > 0 for t in rows.values()), rows
+    expected = {f"compress (division, tokens{lfc}, {how})" for lfc in ("", ", no LFC") for how in ("eager", "fused")}
+    if native.kernels() is not None:  # the native rows, rounding to nearest beside stochastic, and the score pass
+        expected |= {f"compress (division, tokens{lfc}, native{r})" for lfc in ("", ", no LFC") for r in ("", ", nearest")}
+        expected.add("outlier score, max |x| per token (native)")
+    assert expected <= set(rows), sorted(expected - set(rows))
+    assert native.set_native(before) == before  # restored after the eager and fused rows
