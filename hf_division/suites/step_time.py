@@ -132,12 +132,10 @@ def main(argv=None):
                                   before_round=lambda r: current.update(batch=batches[r % len(batches)]))
     finally:
         fused.TOKEN_CHUNK = chunks["division"]
-    print(f"{DESCRIPTION[args.model]}, {describe(args, batches)}, attn {args.attn}, {args.rounds} interleaved rounds, "
-          f"{args.threads} threads")
+    setting = f"{DESCRIPTION[args.model]}, {describe(args, batches)}, attn {args.attn}"
+    print(f"{setting}, {args.rounds} interleaved rounds, {args.threads} threads")
     report(times)
-    write_json(args.json, {"command": ["step-time", *(argv or [])],
-                           "setting": f"{DESCRIPTION[args.model]}, {describe(args, batches)}, attn {args.attn}, "
-                                      f"{args.threads} threads",
+    write_json(args.json, {"command": ["step-time", *(argv or [])], "setting": f"{setting}, {args.threads} threads",
                            "step_seconds": times, "forward_seconds": split_times(times, forward)["forward"]})
     if args.split:
         for part, part_times in split_times(times, forward).items():
