@@ -135,10 +135,11 @@ def main(argv=None):
     setting = f"{DESCRIPTION[args.model]}, {describe(args, batches)}, attn {args.attn}"
     print(f"{setting}, {args.rounds} interleaved rounds, {args.threads} threads")
     report(times)
+    parts = split_times(times, forward)
     write_json(args.json, {"command": ["step-time", *(argv or [])], "setting": f"{setting}, {args.threads} threads",
-                           "step_seconds": times, "forward_seconds": split_times(times, forward)["forward"]})
+                           "step_seconds": times, "forward_seconds": parts["forward"]})
     if args.split:
-        for part, part_times in split_times(times, forward).items():
+        for part, part_times in parts.items():
             print(f"{part} only:")
             report(part_times)
 
