@@ -118,6 +118,9 @@ def main(argv=None) -> dict:
         with open(os.path.join(args.output_dir, "results.json"), "w") as f:
             json.dump(results, f, indent=2)
         accelerator.print(f"done: {len(losses)} steps, final loss {losses[-1]:.4f}, dev {metrics}")
+    # every process reaches the teardown together: a process group destroyed while another rank is
+    # still writing can leave the launch hanging after the work is done (pytorch/pytorch#75097)
+    accelerator.wait_for_everyone()
     accelerator.end_training()
     return results
 
