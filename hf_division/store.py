@@ -23,6 +23,11 @@ from .noise import generator
 from .native import pack_mask
 from .quant import unpack_mask
 
+#: names of the store's work in a ``torch.profiler`` trace: compressing a saved activation (the
+#: outlier search, the row scales and the encode) and rebuilding it in backward (docs/GUIDE.md,
+#: "Profiling a step")
+COMPRESS_LABEL, REBUILD_LABEL = "hf_division::compress", "hf_division::rebuild"
+
 
 class Entry:
     """A saved activation held for backward. ``take()`` rebuilds it for one consumer."""
@@ -58,9 +63,10 @@ class Entry:
                 "frees saved tensors); call backward(retain_graph=True) to backpropagate through it twice"
             )
         if self.packed is not None:
-            value = decompress(self.packed)
-            if self.sign is not None:
-                value = _with_sign(value, unpack_mask(*self.sign, value.shape))
+            with torch.profiler.record_function(REBUILD_LABEL):
+                value = decompress(self.packed)
+                if self.sign is not None:
+                    value = _with_sign(value, unpack_mask(*self.sign, value.shape))
         else:
             value = self._from_parents()
         if self.uses > 1:
@@ -216,14 +222,23 @@ def keep(t: torch.Tensor, kind: str, config: DivisionConfig, exact_sign: bool = 
     sign everywhere (ReLU-like activations: their gradient is the sign).
     """
     entry = lookup(t)
-    if entry is None and kind == "norm" and config.norm_row_scale and config.bits(kind):
+    if entry is None:
+        with torch.profiler.record_function(COMPRESS_LABEL):
+            entry = _keep_new(t, kind, config, exact_sign)
+    entry.add_user()
+    return entry
+
+
+def _keep_new(t: torch.Tensor, kind: str, config: DivisionConfig, exact_sign: bool) -> Entry:
+    """:func:`keep` of a tensor not held yet: the entry, registered."""
+    entry = None
+    if kind == "norm" and config.norm_row_scale and config.bits(kind):
         entry = _keep_row_scaled(t, kind, config)
     if entry is None:
         packed = pack(t, kind, config)
         sign = pack_mask(t > 0) if exact_sign and packed.bits else None
         entry = Entry(kind, packed=packed, sign=sign)
         register(t, entry)
-    entry.add_user()
     return entry
 
 

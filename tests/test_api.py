@@ -83,6 +83,22 @@ def test_shared_tensor_stored_once_and_keyed_on_live_reference():
     assert lookup(z) is None
 
 
+def test_profiler_shows_one_compress_range_per_tensor_and_its_rebuild():
+    """A tensor kept twice is compressed once (one range); rebuilding it is a range of its own."""
+    from torch.profiler import profile
+
+    from hf_division.store import COMPRESS_LABEL, REBUILD_LABEL
+
+    cfg, x = DivisionConfig(), torch.randn(2, 64, 64)
+    with profile() as prof:
+        entry = keep(x, "linear", cfg)
+        keep(x, "linear", cfg)
+        keep(torch.randn(2, 64, 64), "linear", cfg)
+        entry.take()
+    counts = {e.key: e.count for e in prof.key_averages()}
+    assert counts.get(COMPRESS_LABEL) == 2 and counts.get(REBUILD_LABEL) == 1, counts
+
+
 def test_qkv_share_one_copy():
     model = tiny_model("bert", "eager")
     batch = tiny_batch(batch=2, seq=64)

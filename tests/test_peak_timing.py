@@ -87,7 +87,7 @@ GLUE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "glu
 
 @pytest.mark.parametrize("extra", [[], ["--profile", "--top", "3"], ["--token-chunks", "4096"],
                                    ["--glue-dir", GLUE, "--task", "mrpc"], ["--model", "tiny-llama"],
-                                   ["--aten-draws", "--control"], ["--model", "tiny-llama", "--generic-norm", "--rebuilt-gated"],
+                                   ["--aten-draws", "--control", "--nearest"], ["--model", "tiny-llama", "--generic-norm", "--rebuilt-gated"],
                                    ["--split", "--rounds", "2", "--json", "{tmp}/times.json"]])
 def test_step_time_suite(extra, capsys, tmp_path):
     chunk = fused.TOKEN_CHUNK
@@ -102,7 +102,10 @@ def test_step_time_suite(extra, capsys, tmp_path):
         for arm, steps in saved["step_seconds"].items():
             assert len(steps) == 2 and all(0 < f < s for f, s in zip(saved["forward_seconds"][arm], steps))
     if "--profile" in extra:
-        assert "self CPU ms of one step" in out and len(out.strip().splitlines()) == 2 + 3
+        assert "self CPU ms of one step" in out and len(out.strip().splitlines()) == 3 + 3
+        store = re.search(r"^division's store: compress [\d.]+ ms over (\d+) tensors; rebuild [\d.]+ ms over (\d+) "
+                          r"tensors$", out, re.M)
+        assert store and int(store.group(1)) > 0 and int(store.group(2)) > 0, out
     else:
         if "--split" in extra:  # the forward and the backward apart, after the whole step
             out, parts = _split_parts(out)
@@ -114,7 +117,7 @@ def test_step_time_suite(extra, capsys, tmp_path):
         rows = {line.split()[0]: float(line.split()[2]) for line in out.splitlines()[2:]}
         chunked = {"division@4096"} if "--token-chunks" in extra else set()
         if "--control" in extra:  # an unpatched copy, and division drawing dropout with ATen's bernoulli_
-            chunked |= {"baseline-copy", "division-aten-draws"}
+            chunked |= {"baseline-copy", "division-aten-draws", "division-nearest"}
             assert native.draws_apply(torch.empty(4), 0.5) == native.draws_match_aten()  # native draws back on
         if "--generic-norm" in extra:  # division with RMSNorm recomputed under autograd, switched back after
             chunked |= {"division-generic-norm", "division-rebuilt-gated"}

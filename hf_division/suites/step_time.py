@@ -8,6 +8,7 @@ python -m hf_division.suites step-time --glue-dir ../shared/data/glue --task mrp
 python -m hf_division.suites step-time --aten-draws   # also division with ATen's dropout draws, not the native ones
 python -m hf_division.suites step-time --model llama-4l --generic-norm   # also division with RMSNorm recomputed under autograd
 python -m hf_division.suites step-time --model llama-4l --rebuilt-gated   # also division rebuilding gate and up (no fused SiLU kernel)
+python -m hf_division.suites step-time --nearest   # also division rounding to nearest: the floor of any noise generator
 python -m hf_division.suites step-time --control   # also a second unpatched copy of the model: the A/A spread of this run
 python -m hf_division.suites step-time --split   # also the forward (up to the loss) and the backward apart
 python -m hf_division.suites step-time --json docs/results/step_time.json   # also every round's seconds, per arm
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import statistics
 import time
 
@@ -33,6 +35,7 @@ from ..config import DivisionConfig
 from .. import fused, gated, native, rms_norm
 from ..glue import collated_batches, get_task
 from ..api import apply_division
+from ..store import COMPRESS_LABEL, REBUILD_LABEL
 from ..timing import interleaved_times, quartile_ratios, round_ratios, timed
 from ..zoo import DESCRIPTION, SHAPES, build_classifier, minilm_tokenizer
 from .common import write_json
@@ -70,6 +73,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--rebuilt-gated", action="store_true",
                     help="also time division with the SiLU-gated MLP's gate and up rebuilt as tensors in backward "
                          "(hf_division.gated.use_fused_gated)")
+    ap.add_argument("--nearest", action="store_true",
+                    help="also time division rounding its codes to nearest (division_rounding nearest): "
+                         "the step a rounding-noise generator that cost nothing would leave")
     ap.add_argument("--control", action="store_true",
                     help="also time an unpatched copy of the model (same work as the baseline): what two identical "
                          "arms read in this run")
@@ -88,6 +94,8 @@ def build_methods(args, dc: DivisionConfig) -> tuple[dict, dict]:
     methods["checkpointing"] = ckpt
     if args.control:
         methods["baseline-copy"] = copy.deepcopy(base)
+    if args.nearest:
+        methods["division-nearest"] = apply_division(copy.deepcopy(base), dataclasses.replace(dc, rounding="nearest"))
     for flag, arm in ((args.aten_draws, "division-aten-draws"), (args.generic_norm, "division-generic-norm"),
                       (args.rebuilt_gated, "division-rebuilt-gated")):
         if flag:
@@ -182,12 +190,22 @@ def describe(args, batches) -> str:
             f"(median {lengths[len(lengths) // 2]}, at most {args.seq})")
 
 
+def store_line(events) -> str:
+    """Division's store in a profiled step: the CPU time inside its compress and rebuild ranges
+    (the ops they run included; kernels that read the codes in place, such as the gated MLP's
+    backward, count under their own Function)."""
+    spans = {e.key: e for e in events if e.key in (COMPRESS_LABEL, REBUILD_LABEL)}
+    parts = [f"{what} {spans[key].cpu_time_total / 1e3:.1f} ms over {spans[key].count} tensors"
+             for what, key in (("compress", COMPRESS_LABEL), ("rebuild", REBUILD_LABEL)) if key in spans]
+    return "division's store: " + ("; ".join(parts) or "no compress or rebuild ranges")
+
+
 def profile(methods, batch, top):
     """Self CPU time per op of one warm step, baseline vs division, largest differences first."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    per = {}
+    per, events = {}, {}
     for name in ("baseline", "division"):
         model = methods[name]
         for _ in range(2):  # warm up (torch.compile of the compressor kernels)
@@ -195,10 +213,12 @@ def profile(methods, batch, top):
         model.zero_grad(set_to_none=True)
         with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
             step(model, batch)
-        per[name] = {e.key: (e.self_cpu_time_total / 1e3, e.count) for e in prof.key_averages()}
+        events[name] = prof.key_averages()
+        per[name] = {e.key: (e.self_cpu_time_total / 1e3, e.count) for e in events[name]}
     total = {k: sum(ms for ms, _ in v.values()) for k, v in per.items()}
     print(f"self CPU ms of one step (profiler overhead included): baseline {total['baseline']:.0f}, "
           f"division {total['division']:.0f}")
+    print(store_line(events["division"]))
     keys = set(per["baseline"]) | set(per["division"])
     diff = sorted(keys, key=lambda k: -(per["division"].get(k, (0, 0))[0] - per["baseline"].get(k, (0, 0))[0]))
     print(f"{'op':<58} {'baseline ms':>11} {'division ms':>11} {'calls b/d':>10}")
