@@ -14,6 +14,7 @@ The pattern (``scripts/train_accelerate.py`` is a complete example)::
             accelerator.backward(model(**batch).loss)
             optimizer.step(); optimizer.zero_grad()
         step += accelerator.sync_gradients
+    keep_process_group_until_exit()                   # then accelerator.end_training()
 
 Division patches module *instances* of the unwrapped model, so it survives the wrapping
 ``prepare`` does (DDP and Accelerate's autocast wrapper of ``forward`` are tested; FSDP1/FSDP2
@@ -24,6 +25,10 @@ Accelerate's autocast wrapper if that was installed after division.
 """
 from __future__ import annotations
 
+import atexit
+import gc
+
+import torch
 from torch import nn
 
 from .api import apply_division, division_config_of, unwrap
@@ -57,3 +62,38 @@ def reseed_for_step(step: int, seed: int, accelerator=None) -> int:
 def division_enabled(model: nn.Module) -> bool:
     """Whether ``model`` (prepared or not) has division applied."""
     return division_config_of(unwrap(model)) is not None
+
+
+#: process groups referenced from Python until the interpreter exits (:func:`keep_process_group_until_exit`)
+_KEPT_GROUPS: list = []
+
+
+def keep_process_group_until_exit() -> None:
+    """Hold the default process group from Python until exit, when it is released first thing.
+
+    Why: a 2-process CPU launch once hung after its work was done (docs/GUIDE.md, "Distributed").
+    Its stack showed the DDP reducer, freed as the script's ``main`` returned, dropping the last
+    reference to the gloo group. The group's destructor waits for gloo's worker threads and the
+    reducer's binding runs it holding the GIL, while a worker freeing a finished collective's
+    tensors waited for the GIL. The Python process-group object releases the GIL before it
+    destroys the group (pytorch/pytorch#56297), so it is made the last reference. Not specific to
+    division: any DDP run on gloo can meet it. A no-op without an initialized process group."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    group = torch.distributed.group.WORLD
+    if any(kept is group for kept in _KEPT_GROUPS):
+        return
+    if not _KEPT_GROUPS:
+        atexit.register(release_kept_process_groups)
+    _KEPT_GROUPS.append(group)
+
+
+def kept_process_groups() -> tuple:
+    """The process groups :func:`keep_process_group_until_exit` holds now."""
+    return tuple(_KEPT_GROUPS)
+
+
+def release_kept_process_groups() -> None:
+    """Drop the kept groups (run at exit; earlier once no DDP wrapper holds them any more)."""
+    gc.collect()  # wrappers kept alive only by reference cycles drop their references first
+    _KEPT_GROUPS.clear()

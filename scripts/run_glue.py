@@ -24,6 +24,7 @@ import numpy as np
 import transformers
 from transformers import AutoTokenizer, set_seed
 
+from hf_division.accelerate import keep_process_group_until_exit
 from hf_division.glue import (
     activation_report,
     build_model,
@@ -106,6 +107,7 @@ def main(argv=None) -> dict:
         with open(os.path.join(training_args.output_dir, "division_report.json"), "w") as f:
             json.dump(report, f, indent=2)
         summarize(report)
+    keep_process_group_until_exit()  # a no-op in one process (hf_division.accelerate: a teardown that hung)
     return report
 
 

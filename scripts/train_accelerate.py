@@ -24,7 +24,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
 
-from hf_division.accelerate import division_enabled, prepare_division, reseed_for_step
+from hf_division.accelerate import division_enabled, keep_process_group_until_exit, prepare_division, reseed_for_step
 from hf_division.glue import compute_metrics, parse_loop_args, tokenized_examples
 from hf_division.zoo import minilm_path
 
@@ -118,8 +118,7 @@ def main(argv=None) -> dict:
         with open(os.path.join(args.output_dir, "results.json"), "w") as f:
             json.dump(results, f, indent=2)
         accelerator.print(f"done: {len(losses)} steps, final loss {losses[-1]:.4f}, dev {metrics}")
-    # every process reaches the teardown together: a process group destroyed while another rank is
-    # still writing can leave the launch hanging after the work is done (pytorch/pytorch#75097)
+    keep_process_group_until_exit()  # the teardown that once hung (hf_division.accelerate)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return results

@@ -16,7 +16,9 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 import torch
 
@@ -49,8 +51,8 @@ def _env():
 
 
 def _launch(cmd, timeout):
-    """One run in its own session, on a fresh port: on timeout the whole group (launcher and
-    workers) is killed, so no worker outlives the test holding the port."""
+    """One run in its own session, on a fresh port: on timeout the launcher and every process
+    under it are killed, so no worker outlives the test holding the port."""
     for flag in ("--main_process_port", "--master_port"):
         if flag in cmd:
             at = cmd.index(flag) + 1
@@ -60,8 +62,12 @@ def _launch(cmd, timeout):
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        # torchrun starts each worker in a session of its own: kill the launcher's descendants
+        # too, or a hung worker outlives the test holding the output pipes open
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
         os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
+        out, err = proc.communicate(timeout=60)
         raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
@@ -92,8 +98,13 @@ def _run(cmd, timeout=240, attempts=3):
 
 def test_launch_hung_after_its_work_is_relaunched_once_then_fails():
     """The relaunch in ``_run`` covers only a hang after the "done:" line, and only once."""
+    # a worker in a session of its own holding the output pipes, as torchrun starts them: killed too
+    hung = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+            "start_new_session=True); print('done: 1 step', flush=True); time.sleep(60)")
+    start = time.monotonic()
     with pytest.raises(AssertionError, match=r"timed out \(2 times\)"):
-        _run([sys.executable, "-c", "import time; print('done: 1 step', flush=True); time.sleep(60)"], timeout=2)
+        _run([sys.executable, "-c", hung], timeout=2)
+    assert time.monotonic() - start < 30
     with pytest.raises(AssertionError, match=r"timed out \(1 times\)"):
         _run([sys.executable, "-c", "import time; time.sleep(60)"], timeout=2)
 
@@ -203,6 +214,31 @@ def test_accelerate_loop_single_process_fp32(tiny_dir, tmp_path):
                            "--mixed_precision", "fp16", "--glue_dir", GLUE, "--model_name_or_path", tiny_dir],
                           env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0 and "fp16 on CPU" in proc.stderr, proc.stderr[-3000:]
+
+
+def test_process_group_kept_from_python_until_released(monkeypatch):
+    """What the scripts call before their teardown: the default group held once from Python, past
+    ``destroy_process_group``, with one release registered for exit; nothing without a group."""
+    import torch.distributed as dist
+
+    from hf_division import accelerate as acc
+
+    registered = []
+    monkeypatch.setattr(acc.atexit, "register", registered.append)
+    acc.release_kept_process_groups()
+    acc.keep_process_group_until_exit()  # no process group: nothing to keep
+    assert acc.kept_process_groups() == () and registered == []
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}", rank=0, world_size=1)
+    try:
+        world = dist.group.WORLD
+        acc.keep_process_group_until_exit()
+        acc.keep_process_group_until_exit()
+    finally:
+        dist.destroy_process_group()
+    kept = acc.kept_process_groups()
+    assert len(kept) == 1 and kept[0] is world and registered == [acc.release_kept_process_groups]
+    acc.release_kept_process_groups()
+    assert acc.kept_process_groups() == ()
 
 
 def test_prepare_division_after_prepare_and_on_ddp(monkeypatch):
@@ -327,6 +363,8 @@ def _fsdp_worker(model_dir: str, out: str, seed: int, division: bool) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 
+    from hf_division.accelerate import keep_process_group_until_exit
+
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     record = {"world": world}
@@ -353,7 +391,8 @@ def _fsdp_worker(model_dir: str, out: str, seed: int, division: bool) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump(record, f)
-    dist.barrier()  # teardown together (scripts/train_accelerate.py, end of main)
+    keep_process_group_until_exit()  # as scripts/train_accelerate.py does
+    dist.barrier()
     dist.destroy_process_group()
 
 
