@@ -29,6 +29,13 @@ from .quant import unpack_mask
 COMPRESS_LABEL, REBUILD_LABEL = "hf_division::compress", "hf_division::rebuild"
 
 
+def _traced(label: str):
+    """A profiler range named ``label`` while a profiler runs, else nothing: opening a range costs
+    an op dispatch, and this runs for every saved tensor of every step (docs/GUIDE.md, "Profiling
+    a step")."""
+    return torch.profiler.record_function(label) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+
+
 class Entry:
     """A saved activation held for backward. ``take()`` rebuilds it for one consumer."""
 
@@ -63,7 +70,7 @@ class Entry:
                 "frees saved tensors); call backward(retain_graph=True) to backpropagate through it twice"
             )
         if self.packed is not None:
-            with torch.profiler.record_function(REBUILD_LABEL):
+            with _traced(REBUILD_LABEL):
                 value = decompress(self.packed)
                 if self.sign is not None:
                     value = _with_sign(value, unpack_mask(*self.sign, value.shape))
@@ -223,7 +230,7 @@ def keep(t: torch.Tensor, kind: str, config: DivisionConfig, exact_sign: bool = 
     """
     entry = lookup(t)
     if entry is None:
-        with torch.profiler.record_function(COMPRESS_LABEL):
+        with _traced(COMPRESS_LABEL):
             entry = _keep_new(t, kind, config, exact_sign)
     entry.add_user()
     return entry
