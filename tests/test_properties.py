@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_division.compressor import compress, decompress, set_fused
+from hf_division.quant import exceeds_median, outlier_candidates, outlier_tokens
 
 #: largest |x| generated per dtype: fp16 up to its maximum (fp16 activations reach it); fp32 and
 #: bf16 to 1e36, where ranges and block sums stay finite in float32 (GUIDE, "Guarantees")
@@ -95,3 +96,44 @@ def test_bit_width_sets_the_code_bytes(x, bits):
     full, rest = divmod(tokens, p.group_size)
     assert p.packed.numel() == full * p.group_size * c * bits // 8 + -(-rest * bits // 8) * c
     assert p.packed.numel() - -(-tokens * c * bits // 8) < c
+
+
+@st.composite
+def scores(draw):
+    """Per-token max |x| scores as the outlier search sees them: ties, zeros, planted outliers
+    around the threshold, infinities and NaNs, at lengths odd and even."""
+    n = draw(st.integers(1, 300))
+    seed = draw(st.integers(0, 2**16))
+    r = torch.rand(n, generator=torch.Generator().manual_seed(seed))
+    kind = draw(st.sampled_from(["plain", "ties", "zeros", "planted", "inf", "nan", "huge"]))
+    if kind == "ties":
+        r = (r * 4).floor()
+    elif kind == "zeros":
+        r[: draw(st.integers(0, n))] = 0.0
+    elif kind == "planted":  # a few at ratio x median and just beside it, where rounding decides
+        med = r.median()
+        for i in range(min(n, draw(st.integers(1, 4)))):
+            r[i] = torch.nextafter(4.0 * med, torch.tensor(draw(st.sampled_from([0.0, 1e30])))) if i else 4.0 * med
+    elif kind == "inf":
+        r[: draw(st.integers(1, n))] = float("inf")
+    elif kind == "nan":
+        r[draw(st.integers(0, n - 1))] = float("nan")
+    else:  # values where ratio x r overflows float32
+        r = r * 3e38
+    return r
+
+
+@settings(max_examples=400, deadline=None)
+@given(r=scores(), ratio=st.sampled_from([1.5, 4.0, 16.0]))
+def test_outlier_search_skips_the_selection_exactly_when_it_would_select_nothing(r, ratio):
+    """``exceeds_median`` answers ``max > ratio * median`` without finding the median (the fast
+    path of ``outlier_tokens``), and ``outlier_tokens`` returns what the selection returns."""
+    assert exceeds_median(r, ratio) == bool(r.max() > ratio * r.median())
+    x3 = r.view(1, -1, 1)
+    index, selected = outlier_candidates(x3, ratio, r)
+    reference = index[selected]
+    got = outlier_tokens(x3, ratio, r)
+    if reference.numel():
+        assert torch.equal(got, reference)
+    else:
+        assert got is None
