@@ -177,10 +177,11 @@ def compress(
     lead = exact_tokens if layout is not None and grouping == "tokens" else 0
     if lead >= x3.shape[1] > 0:  # every token exact: nothing to compress
         return Packed(x, None, None, None, shape, dtype, None, 0, block_size, group_size)
+    scored = ratio > 0 and not static and not lead and grouping == "tokens" and _scored_in_encode(x3, block_size, lfc_dtype)
     if static and (ratio > 0 or lead > 0):
         x3, rows, row_index, row_keep = _split_static(x3, ratio, lead, dtype)
     else:
-        if ratio > 0:
+        if ratio > 0 and not scored:
             x3, rows, row_index = _split_outliers(x3, ratio, dtype)
         if lead > 0:
             x3, rows, row_index = _split_leading(x3, lead, dtype, rows, row_index)
@@ -191,10 +192,13 @@ def compress(
         return _no_larger(Packed(packed, lo, scale, None, shape, dtype, layout, bits, 1, group, rows, row_index, "flat",
                                  row_keep), x)
     block = max(1, min(block_size, x3.shape[1]))  # a row shorter than a block is one block, not padded
-    if block > 1 and lfc_dtype == torch.float16 and dtype != torch.float16 and (static or x3.abs().amax() > _FP16_MAX):
-        lfc_dtype = torch.float32  # block means beyond fp16's range would store inf: widen this LFC
     group = _token_group(group_size, block, bits)
-    codes, lfc, lo, scale = _compress_tokens(x3, seed, bits, block, group, lfc_dtype)
+    if scored:
+        codes, lfc, lo, scale, rows, row_index = _encode_then_split(x3, seed, bits, block, group, lfc_dtype, ratio, dtype)
+    else:
+        if block > 1 and lfc_dtype == torch.float16 and dtype != torch.float16 and (static or x3.abs().amax() > _FP16_MAX):
+            lfc_dtype = torch.float32  # block means beyond fp16's range would store inf: widen this LFC
+        codes, lfc, lo, scale = _compress_tokens(x3, seed, bits, block, group, lfc_dtype)
     return _no_larger(Packed(codes, lo, scale, lfc, shape, dtype, layout, bits, block, group, rows, row_index, "tokens",
                              row_keep), x)
 
@@ -214,13 +218,12 @@ def compress_row_scaled(x: torch.Tensor, row_scale: torch.Tensor, bits: int, blo
             or not native.applies(x.device, lfc_dtype if min(block_size, x.shape[-2]) > 1 else None)):
         return None
     x3, layout = _to_tokens(x, x.dim() - 2)
-    rows = row_index = None
-    if policy.get("outlier_ratio", 0.0) and x3.shape[2] > 1:
-        x3, rows, row_index = _split_scaled_outliers(x3, row_scale.view(-1, 1), policy["outlier_ratio"])
+    ratio = policy.get("outlier_ratio", 0.0) if x3.shape[2] > 1 else 0.0
     seed = noise_seed(x.device, generator) if stochastic else None
     block = max(1, min(block_size, x3.shape[1]))
     group = _token_group(group_size, block, bits)
-    codes, lfc, lo, scale = _compress_tokens(x3, seed, bits, block, group, lfc_dtype, row_scale)
+    codes, lfc, lo, scale, rows, row_index = _encode_then_split(x3, seed, bits, block, group, lfc_dtype, ratio,
+                                                                x.dtype, row_scale)
     p = Packed(codes, lo, scale, lfc, x.shape, x.dtype, layout, bits, block, group, rows, row_index, "tokens")
     kept = _no_larger(p, x)  # as for x / row_scale: the caller keeps x whole where not smaller
     if kept.bits:
@@ -228,16 +231,37 @@ def compress_row_scaled(x: torch.Tensor, row_scale: torch.Tensor, bits: int, blo
     return kept
 
 
-def _split_scaled_outliers(x3: torch.Tensor, scale: torch.Tensor, ratio: float):
-    """:func:`_split_outliers` of ``x3 / scale`` (``(M*T, 1)``) without dividing: max |x / s| is max |x| / s
-    (division by s > 0 keeps the order); the rows are ``(x / s) * s``, the divided path's rebuild."""
-    row_index = outlier_tokens(x3, ratio, _absmax(x3) / scale.view(-1))
+def _scored_in_encode(x3: torch.Tensor, block_size: int, lfc_dtype: torch.dtype) -> bool:
+    """Whether the native encode takes ``x3`` with this LFC, so that :func:`_encode_then_split` applies."""
+    return native.applies(x3.device, lfc_dtype if min(block_size, x3.shape[1]) > 1 else None)
+
+
+def _encode_then_split(x3: torch.Tensor, seed, bits: int, block: int, group: int, lfc_dtype: torch.dtype,
+                       ratio: float, dtype: torch.dtype, row_scale: torch.Tensor | None = None):
+    """``(codes, lfc, lo, scale, rows, row_index)``: the outlier tokens of ``x3`` (``/ row_scale``)
+    split off, then the rest encoded (native kernels), the same bytes as :func:`_split_outliers`
+    then :func:`_compress_tokens`. In the other order: the encode's first pass scores each token as
+    it reads it, and only where outlier tokens turn up is ``x3`` encoded again without them.
+
+    Why: the score's own pass re-read the whole tensor from memory, about a fifth of the
+    compression's time (docs/DESIGN.md, "Native CPU kernels"), and most tensors hold no outlier
+    token. For the rows of ``x / s``: max |x / s| is max |x| / s (division by s > 0 keeps the
+    order), and the rows are ``(x / s) * s``, the divided path's rebuild."""
+    first = _compress_tokens(x3, seed, bits, block, group, lfc_dtype, row_scale, score=ratio > 0)
+    if not ratio:
+        return (*first, None, None)
+    scale = None if row_scale is None else row_scale.view(-1)
+    row_index = outlier_tokens(x3, ratio, first[4] if scale is None else first[4] / scale)
     if row_index is None:
-        return x3, None, None
+        return (*first[:4], None, None)
     flat = x3.reshape(-1, x3.shape[2])
-    picked = scale[row_index]
-    rows = flat[row_index] / picked * picked
-    return flat.index_fill(0, row_index, 0.0).view(x3.shape), rows, row_index
+    if scale is None:
+        rows = flat[row_index].to(dtype)
+    else:
+        picked = scale[row_index].view(-1, 1)
+        rows = flat[row_index] / picked * picked
+    x3 = flat.index_fill(0, row_index, 0.0).view(x3.shape)  # a copy: x3 may view the input
+    return (*_compress_tokens(x3, seed, bits, block, group, lfc_dtype, row_scale), rows, row_index)
 
 
 def _no_larger(p: Packed, x: torch.Tensor) -> Packed:
@@ -317,9 +341,11 @@ def _compress_flat(x3: torch.Tensor, seed, bits: int, group_size: int):
     return quantize_groups(flat, seed, bits, group_size)
 
 
-def _compress_tokens(x3: torch.Tensor, seed, bits: int, block: int, group: int, lfc_dtype: torch.dtype, row_scale=None):
+def _compress_tokens(x3: torch.Tensor, seed, bits: int, block: int, group: int, lfc_dtype: torch.dtype, row_scale=None,
+                     score: bool = False):
     """``(M, T, C)`` float32 -> ``(codes, lfc, lo, scale)`` in token groups of ``group`` tokens
-    (of ``x3 / row_scale`` where given: native kernels only, :func:`compress_row_scaled`)."""
+    (of ``x3 / row_scale`` where given: native kernels only, :func:`compress_row_scaled`); with
+    ``score`` (native kernels only), one more: max |x3| per token, read in the encode's first pass."""
     m, t, c = x3.shape
     n = m * (-(-t // block) * block)
     n_full, rest = divmod(n, group)
@@ -329,9 +355,9 @@ def _compress_tokens(x3: torch.Tensor, seed, bits: int, block: int, group: int, 
     scale = torch.empty_like(lo)
     lfc = torch.empty(n // block, c, dtype=lfc_dtype, device=dev) if block > 1 else None
     if native.applies(dev, None if lfc is None else lfc_dtype):  # padding and all, in one call
-        native.encode_tokens(x3, codes, lfc, lo, scale, None if seed is None else int(seed), bits, block, group,
-                             row_scale)
-        return codes, lfc, lo, scale
+        absmax = native.encode_tokens(x3, codes, lfc, lo, scale, None if seed is None else int(seed), bits, block,
+                                      group, row_scale, score)
+        return (codes, lfc, lo, scale, absmax) if score else (codes, lfc, lo, scale)
     if n != m * t:  # repeat the last token: the padded block's mean moves, but no group range widens
         x3 = torch.cat([x3, x3[:, -1:].expand(m, n // m - t, c)], dim=1)
     tokens = x3.reshape(-1, c)

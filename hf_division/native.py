@@ -134,8 +134,10 @@ def _compiled(cc: str, flags: list[str], cache: Path) -> Path:
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     shape = [i64, i64, i64, i64, i64, i32, i32]  # m, t, c, block, group, bits, lfc kind
-    lib.hfd_encode_tokens.argtypes = [p, *shape, p, p, p, p, i32, ctypes.c_uint32, p, i32]
+    lib.hfd_encode_tokens.argtypes = [p, *shape, p, p, p, p, i32, ctypes.c_uint32, p, p, i32]
     lib.hfd_encode_tokens.restype = None
+    lib.hfd_encode_tile.argtypes = []
+    lib.hfd_encode_tile.restype = i64
     lib.hfd_decode_tokens.argtypes = [p, *shape, p, p, p, p, p, i32]
     lib.hfd_decode_tokens.restype = None
     operand = [p, p, p, i32, p, p]  # codes, lo, scale, bits, outlier slots, outlier rows
@@ -161,17 +163,23 @@ def _threads(numel: int) -> int:
 
 
 def encode_tokens(x3: torch.Tensor, codes, lfc, lo, scale, seed: int | None, bits: int, block: int, group: int,
-                  row_scale: torch.Tensor | None = None) -> None:
+                  row_scale: torch.Tensor | None = None, score: bool = False) -> torch.Tensor | None:
     """Fill ``codes``, ``lfc`` (None: no LFC), ``lo`` and ``scale`` from ``x3`` ``(M, T, C)`` float32,
     each sequence padded to whole blocks by repeating its last token (the layout of
     :func:`hf_division.compressor.compress`), divided by ``row_scale`` (``M*T`` float32, one per
-    token) where given. ``seed``: the rounding noise's seed, None for round-to-nearest."""
+    token) where given. ``seed``: the rounding noise's seed, None for round-to-nearest.
+    ``score``: also return :func:`token_absmax` of ``x3`` (not divided), read in the encode's first pass."""
     m, t, c = x3.shape
     x = x3.contiguous()
     kind = LFC_KIND[None if lfc is None else lfc.dtype]
+    parts = None
+    if score:
+        tile = kernels().hfd_encode_tile()
+        parts = torch.empty(m * t, -(-c // tile), dtype=torch.float32)
     kernels().hfd_encode_tokens(_ptr(x), m, t, c, block, group, bits, kind, _ptr(lfc), _ptr(lo), _ptr(scale),
                                 _ptr(codes), seed is not None, (seed or 0) & 0xFFFFFFFF, _ptr(_rows(row_scale, m * t)),
-                                _threads(m * t * c))
+                                _ptr(parts), _threads(m * t * c))
+    return None if parts is None else parts.amax(dim=1)  # NaN where a part is NaN, as the one-pass score
 
 
 def _rows(row_scale: torch.Tensor | None, n: int) -> torch.Tensor | None:

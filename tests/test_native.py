@@ -245,6 +245,66 @@ def test_token_absmax_is_the_tensor_codes(m, t, c, seed, specials):
         assert torch.equal(a[1], b[1]) and torch.equal(a[0][a[1]], b[0][b[1]])
 
 
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 3), t=st.integers(1, 40), c=st.integers(1, 300), block=st.sampled_from([1, 8]),
+       seed=st.integers(0, 2**16), specials=st.lists(st.sampled_from([float("nan"), float("inf"), -0.0]), max_size=3))
+def test_encode_scores_each_token_in_its_first_pass(m, t, c, block, seed, specials):
+    # the score read by the encode (a part per tile of channels, several tiles past 128 channels;
+    # sequences padded to whole blocks) is the one-pass score, NaN and all; the codes are unchanged
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, t, c, generator=g) * torch.rand(m, t, 1, generator=g) * 10
+    for v in specials:
+        x.view(-1)[torch.randint(0, x.numel(), (1,), generator=g)] = v
+    n = m * (-(-t // block) * block)
+    outs = []
+    for score in (True, False):
+        codes, lo = torch.zeros(n * c, dtype=torch.uint8), torch.zeros(n, c, dtype=torch.bfloat16)
+        scale, lfc = torch.zeros_like(lo), torch.zeros(n // block, c, dtype=torch.bfloat16) if block > 1 else None
+        got = native.encode_tokens(x, codes, lfc, lo, scale, 7, 4, block, 16 if block > 1 else 4, score=score)
+        outs.append(((codes, lo, scale, lfc), got))
+    (first, absmax), (plain, none) = outs
+    want = native.token_absmax(x)
+    assert none is None and torch.equal(absmax.isnan(), want.isnan()) and torch.equal(absmax.nan_to_num(), want.nan_to_num())
+    for a, b in zip(first, plain):
+        assert a is b is None or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+@pytest.mark.parametrize("row_scaled", [False, True])
+@pytest.mark.parametrize("planted", [False, True])
+def test_outlier_search_reads_the_tensor_in_the_encode(monkeypatch, row_scaled, planted):
+    # no pass of its own for the score; a second encode only where outlier tokens turn up, and the
+    # bytes of the former order (score, split, encode) either way: the tensor code's, and for the
+    # row-scaled path those of dividing first
+    x = torch.randn(3, 70, 300)
+    if planted:
+        x[1, 4, 250] = 5e3
+    calls = {"encode": 0, "score": 0}
+    encode, score = native.encode_tokens, native.token_absmax
+    monkeypatch.setattr(native, "encode_tokens", lambda *a, **k: calls.__setitem__("encode", calls["encode"] + 1) or encode(*a, **k))
+    monkeypatch.setattr(native, "token_absmax", lambda *a: calls.__setitem__("score", calls["score"] + 1) or score(*a))
+    # a spike in one channel: its token's max |x| / RMS is about sqrt(300), 5x the others'
+    args = dict(bits=4, block_size=8, group_size=64, lfc_dtype=torch.bfloat16, outlier_ratio=4.0)
+    r = torch.linalg.vector_norm(x, dim=-1, keepdim=True).mul_(300**-0.5)
+    former = native.set_native(False)
+    set_fused(False)  # the reference: the eager tensor code
+    try:
+        ref = compress(x / r if row_scaled else x, generator=torch.Generator().manual_seed(3), **args)
+    finally:
+        native.set_native(former)
+        set_fused(True)
+    calls.update(encode=0, score=0)
+    if row_scaled:
+        p = compress_row_scaled(x, r, generator=torch.Generator().manual_seed(3), **args)
+    else:
+        p = compress(x, generator=torch.Generator().manual_seed(3), **args)
+    assert calls == {"encode": 1 + planted, "score": 0}
+    assert (p.row_index is not None) == planted and (ref.row_index is not None) == planted
+    if planted:
+        assert torch.equal(p.row_index, ref.row_index)
+    for a, b in zip((p.packed, p.lo, p.scale, p.lfc), (ref.packed, ref.lo, ref.scale, ref.lfc)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
 def test_token_absmax_leaves_what_it_does_not_take_to_the_caller():
     x = torch.randn(2, 8, 16)
     assert native.token_absmax(x.transpose(1, 2)) is None and native.token_absmax(x.double()) is None

@@ -175,7 +175,8 @@ def test_compressor_times_cover_rounding_and_the_outlier_score():
     assert all(t > 0 for t in rows.values()), rows
     expected = {f"compress (division, tokens{lfc}, {how})" for lfc in ("", ", no LFC") for how in ("eager", "fused")}
     if native.kernels() is not None:  # the native rows, rounding to nearest beside stochastic, and the score pass
-        expected |= {f"compress (division, tokens{lfc}, native{r})" for lfc in ("", ", no LFC") for r in ("", ", nearest")}
+        expected |= {f"compress (division, tokens{lfc}, native{r})" for lfc in ("", ", no LFC")
+                     for r in ("", ", nearest", ", outlier search")}
         expected.add("outlier score, max |x| per token (native)")
     assert expected <= set(rows), sorted(expected - set(rows))
     assert native.set_native(before) == before  # restored after the eager and fused rows

@@ -163,9 +163,12 @@ static inline float row_absmax(const float *row, int64_t n) {
     return nan ? NAN : m;
 }
 
-/* Pass 1 for one group's tile: the LFC of its blocks (written out) and min / max of x - LFC. */
+/* Pass 1 for one group's tile: the LFC of its blocks (written out) and min / max of x - LFC; where
+ * `absmax` is given, also each token's max |x| over the tile (of x, not divided by a row scale), at
+ * absmax[row * tiles + tile]: the outlier search's score read in this pass instead of one of its own
+ * (compressor._encode_then_split). A padding token writes its row's value again, from the same item. */
 static void tile_ranges(const Shape *s, const float *x, int64_t t0, int64_t gt, int64_t j0, int64_t tj,
-                        void *lfc, float *mn, float *mx) {
+                        void *lfc, float *mn, float *mx, float *absmax, int64_t tiles) {
     float lf[TILE] = {0}, buf[TILE];
     int32_t nan[TILE] = {0};
     for (int64_t j = 0; j < tj; j++) { mn[j] = INFINITY; mx[j] = -INFINITY; }
@@ -174,6 +177,7 @@ static void tile_ranges(const Shape *s, const float *x, int64_t t0, int64_t gt, 
         for (int64_t tt = b0; tt < b0 + s->block; tt++) {
             if (s->lfc_kind == LFC_NONE && tt + PREFETCH_AHEAD < t0 + gt) prefetch_row(s, x, tt + PREFETCH_AHEAD, j0, tj);
             tile_minmax(token_row(s, x, tt, j0, tj, buf), lf, tj, mn, mx, nan);
+            if (absmax != NULL) absmax[row_of(s, tt) * tiles + j0 / TILE] = row_absmax(x + row_of(s, tt) * s->c + j0, tj);
         }
     }
     for (int64_t j = 0; j < tj; j++)
@@ -250,11 +254,12 @@ static inline int64_t group_offset(const Shape *s, int64_t g) {
 }
 
 static void encode_tile(const Shape *s, const float *x, int64_t g, int64_t j0, void *lfc, uint16_t *lo_bits,
-                        uint16_t *scale_bits, uint8_t *codes, int stochastic, uint32_t seed) {
+                        uint16_t *scale_bits, uint8_t *codes, int stochastic, uint32_t seed, float *absmax,
+                        int64_t tiles) {
     int64_t t0 = g * s->group, gt = s->n - t0 < s->group ? s->n - t0 : s->group;
     int64_t tj = s->c - j0 < TILE ? s->c - j0 : TILE;
     float mn[TILE], mx[TILE], lo[TILE], inv[TILE];
-    tile_ranges(s, x, t0, gt, j0, tj, lfc, mn, mx);
+    tile_ranges(s, x, t0, gt, j0, tj, lfc, mn, mx, absmax, tiles);
     const float per_level = (float)(1.0 / (double)((1 << s->bits) - 1));
     for (int64_t j = 0; j < tj; j++) { /* quant.token_stats: every value lies in [lo, lo + levels * scale] */
         float l = bf16_directed(mn[j], 1);
@@ -267,18 +272,22 @@ static void encode_tile(const Shape *s, const float *x, int64_t g, int64_t j0, v
     tile_codes(s, x, t0, gt, j0, tj, lfc, lo, inv, codes + group_offset(s, g), stochastic, seed);
 }
 
+/* Channels per encode work item: the width of each token's partial max |x| (hfd_encode_tokens' absmax). */
+int64_t hfd_encode_tile(void) { return TILE; }
+
 /* x: (M*T, C) float32; lfc: (M*Tp / block, C) or NULL; lo, scale: (groups, C) bf16 bits; codes:
- * the full groups' then the last group's words (compressor._code_bytes); row_scale: (M*T,) or NULL. */
+ * the full groups' then the last group's words (compressor._code_bytes); row_scale: (M*T,) or NULL;
+ * absmax: (M*T, ceil(C / TILE)) float32, each token's max |x| per tile of channels, or NULL. */
 void hfd_encode_tokens(const float *x, int64_t m, int64_t t, int64_t c, int64_t block, int64_t group, int bits,
                        int lfc_kind, void *lfc, uint16_t *lo, uint16_t *scale, uint8_t *codes, int stochastic,
-                       uint32_t seed, const float *row_scale, int threads) {
+                       uint32_t seed, const float *row_scale, float *absmax, int threads) {
     int64_t *row_map;
     Shape s = make_shape(m, t, c, block, group, bits, lfc_kind, 0, &row_map);
     s.row_scale = row_scale;
     int64_t groups = (s.n + group - 1) / group, tiles = (c + TILE - 1) / TILE;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t item = 0; item < groups * tiles; item++)
-        encode_tile(&s, x, item / tiles, item % tiles * TILE, lfc, lo, scale, codes, stochastic, seed);
+        encode_tile(&s, x, item / tiles, item % tiles * TILE, lfc, lo, scale, codes, stochastic, seed, absmax, tiles);
     free(row_map);
 }
 

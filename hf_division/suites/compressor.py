@@ -5,8 +5,9 @@ python -m hf_division.suites compressor [--threads 2]
 Times (median of 7) for a (32, 128, 1536) float32 tensor: compress/decompress with DIVISION's
 token groups (4 bits, LFC over 16 tokens, and without LFC as BERT-family encoders store them) and
 ActNN's flat groups (2 bits), eager, fused (torch.compile over cache-sized chunks) and with the
-native CPU kernels (token groups; also rounding to nearest, and the outlier score pass that
-compress runs first when ``outlier_ratio`` is set, as the default policy sets it); the token kernel compiled whole in one call with static
+native CPU kernels (token groups; also rounding to nearest, and with the outlier search that
+``outlier_ratio`` turns on, as the default policy does: its score read in the encode's first pass,
+beside the separate score pass that it replaces); the token kernel compiled whole in one call with static
 and dynamic shapes (why chunks); and the random sources: torch.rand_like, our 16-bit noise, and
 bernoulli_ (dropout's draw); dropout-mask bits: packing a float 0/1 draw through an integer view
 against comparing it with 0 first, unpacking by a table-row gather against a shift per bit plane.
@@ -44,10 +45,12 @@ def compressor_times(x) -> dict:
                 rows[f"decompress ({name}, {how})"] = median_time(lambda: decompress(p))
                 if how == "native":  # what the rounding noise costs: the same encode rounding to nearest
                     rows[f"compress ({name}, {how}, nearest)"] = median_time(lambda: compress(x, stochastic=False, **kw))
+                    rows[f"compress ({name}, {how}, outlier search)"] = median_time(
+                        lambda: compress(x, outlier_ratio=16.0, **kw))
             finally:
                 native.set_native(former)
                 set_fused(True)
-    if native.kernels() is not None:  # the outlier search's score, a pass of its own before the encode
+    if native.kernels() is not None:  # the outlier search's score as a pass of its own (the former order)
         tokens = x.reshape(-1, x.shape[-2], x.shape[-1])
         rows["outlier score, max |x| per token (native)"] = median_time(lambda: native.token_absmax(tokens))
     return rows
