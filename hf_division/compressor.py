@@ -243,9 +243,8 @@ def _encode_then_split(x3: torch.Tensor, seed, bits: int, block: int, group: int
     then :func:`_compress_tokens`. In the other order: the encode's first pass scores each token as
     it reads it, and only where outlier tokens turn up is ``x3`` encoded again without them.
 
-    Why: the score's own pass re-read the whole tensor from memory, about a fifth of the
-    compression's time (docs/DESIGN.md, "Native CPU kernels"), and most tensors hold no outlier
-    token. For the rows of ``x / s``: max |x / s| is max |x| / s (division by s > 0 keeps the
+    Why: the score's own pass re-read the whole tensor from memory, and most tensors hold no
+    outlier token (docs/DESIGN.md, "Native CPU kernels"). For the rows of ``x / s``: max |x / s| is max |x| / s (division by s > 0 keeps the
     order), and the rows are ``(x / s) * s``, the divided path's rebuild."""
     first = _compress_tokens(x3, seed, bits, block, group, lfc_dtype, row_scale, score=ratio > 0)
     if not ratio:
