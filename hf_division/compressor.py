@@ -35,11 +35,10 @@ from .quant import (
     encode_into,
     minmax_groups,
     noise_seed,
-    outlier_candidates,
     outlier_tokens,
-    token_absmax,
     wrap_int32,
 )
+from .token_split import split_leading, split_outliers, split_static, zero_rows
 
 # The codes are read once per code of a word (8 times at 4 bits), above inductor's default of 4
 # reads, beyond which it writes them out as int32 and packs them in a second loop (docs/DESIGN.md,
@@ -177,14 +176,15 @@ def compress(
     lead = exact_tokens if layout is not None and grouping == "tokens" else 0
     if lead >= x3.shape[1] > 0:  # every token exact: nothing to compress
         return Packed(x, None, None, None, shape, dtype, None, 0, block_size, group_size)
-    scored = ratio > 0 and not static and not lead and grouping == "tokens" and _scored_in_encode(x3, block_size, lfc_dtype)
+    scored = (ratio > 0 and not static and not lead and grouping == "tokens"
+              and _scored_in_encode(x3, block_size, lfc_dtype))
     if static and (ratio > 0 or lead > 0):
-        x3, rows, row_index, row_keep = _split_static(x3, ratio, lead, dtype)
+        x3, rows, row_index, row_keep = split_static(x3, ratio, lead, dtype)
     else:
         if ratio > 0 and not scored:
-            x3, rows, row_index = _split_outliers(x3, ratio, dtype)
+            x3, rows, row_index = split_outliers(x3, ratio, dtype)
         if lead > 0:
-            x3, rows, row_index = _split_leading(x3, lead, dtype, rows, row_index)
+            x3, rows, row_index = split_leading(x3, lead, dtype, rows, row_index)
     seed = noise_seed(x.device, generator) if stochastic else None
     if layout is None or grouping == "flat":
         group = min(group_size, -(-x3.numel() // 8) * 8)  # one group at most: no padding beyond it
@@ -194,7 +194,8 @@ def compress(
     block = max(1, min(block_size, x3.shape[1]))  # a row shorter than a block is one block, not padded
     group = _token_group(group_size, block, bits)
     if scored:
-        codes, lfc, lo, scale, rows, row_index = _encode_then_split(x3, seed, bits, block, group, lfc_dtype, ratio, dtype)
+        codes, lfc, lo, scale, rows, row_index = _encode_then_split(x3, seed, bits, block, group, lfc_dtype, ratio,
+                                                                    dtype)
     else:
         if block > 1 and lfc_dtype == torch.float16 and dtype != torch.float16 and (static or x3.abs().amax() > _FP16_MAX):
             lfc_dtype = torch.float32  # block means beyond fp16's range would store inf: widen this LFC
@@ -239,13 +240,14 @@ def _scored_in_encode(x3: torch.Tensor, block_size: int, lfc_dtype: torch.dtype)
 def _encode_then_split(x3: torch.Tensor, seed, bits: int, block: int, group: int, lfc_dtype: torch.dtype,
                        ratio: float, dtype: torch.dtype, row_scale: torch.Tensor | None = None):
     """``(codes, lfc, lo, scale, rows, row_index)``: the outlier tokens of ``x3`` (``/ row_scale``)
-    split off, then the rest encoded (native kernels), the same bytes as :func:`_split_outliers`
-    then :func:`_compress_tokens`. In the other order: the encode's first pass scores each token as
-    it reads it, and only where outlier tokens turn up is ``x3`` encoded again without them.
+    split off, then the rest encoded (native kernels), the same bytes as
+    :func:`~hf_division.token_split.split_outliers` then :func:`_compress_tokens`. In the other
+    order: the encode's first pass scores each token as it reads it, and only where outlier tokens
+    turn up is ``x3`` encoded again without them.
 
     Why: the score's own pass re-read the whole tensor from memory, and most tensors hold no
-    outlier token (docs/DESIGN.md, "Native CPU kernels"). For the rows of ``x / s``: max |x / s| is max |x| / s (division by s > 0 keeps the
-    order), and the rows are ``(x / s) * s``, the divided path's rebuild."""
+    outlier token (docs/DESIGN.md, "Native CPU kernels"). For ``x / s``: max |x / s| is
+    max |x| / s (division by s > 0 keeps the order)."""
     first = _compress_tokens(x3, seed, bits, block, group, lfc_dtype, row_scale, score=ratio > 0)
     if not ratio:
         return (*first, None, None)
@@ -253,13 +255,7 @@ def _encode_then_split(x3: torch.Tensor, seed, bits: int, block: int, group: int
     row_index = outlier_tokens(x3, ratio, first[4] if scale is None else first[4] / scale)
     if row_index is None:
         return (*first[:4], None, None)
-    flat = x3.reshape(-1, x3.shape[2])
-    if scale is None:
-        rows = flat[row_index].to(dtype)
-    else:
-        picked = scale[row_index].view(-1, 1)
-        rows = flat[row_index] / picked * picked
-    x3 = flat.index_fill(0, row_index, 0.0).view(x3.shape)  # a copy: x3 may view the input
+    x3, rows = zero_rows(x3, row_index, dtype, scale)
     return (*_compress_tokens(x3, seed, bits, block, group, lfc_dtype, row_scale), rows, row_index)
 
 
@@ -270,66 +266,6 @@ def _no_larger(p: Packed, x: torch.Tensor) -> Packed:
     if p.nbytes < x.numel() * x.element_size():
         return p
     return Packed(x, None, None, None, p.shape, p.dtype, None, 0, p.block_size, p.group_size)
-
-
-def _absmax(x3: torch.Tensor) -> torch.Tensor:
-    """The outlier search's score, max |x| per token: the native pass where it takes ``x3``."""
-    absmax = native.token_absmax(x3)
-    return token_absmax(x3) if absmax is None else absmax
-
-
-def _split_outliers(x3: torch.Tensor, ratio: float, dtype: torch.dtype):
-    """``(x3 with its outlier tokens zeroed, those tokens in dtype, their index)``; x3 unchanged
-    (and no copy) when there are none."""
-    row_index = outlier_tokens(x3, ratio, _absmax(x3))
-    if row_index is None:
-        return x3, None, None
-    flat_rows = x3.reshape(-1, x3.shape[2])
-    rows = flat_rows[row_index].to(dtype)
-    return flat_rows.index_fill(0, row_index, 0.0).view(x3.shape), rows, row_index  # a copy: x3 may view x
-
-
-def _split_leading(x3: torch.Tensor, k: int, dtype: torch.dtype, rows, row_index):
-    """``x3`` with the first ``k`` tokens of each of its ``M`` rows kept exact (added to the
-    outlier rows already split off, if any) and replaced, in what is compressed, by token ``k``:
-    a copy of a neighbour moves neither its block's LFC much nor any group's range (a zeroed row
-    would put ``-mean`` of its block into the HFC, widening the range of smooth tensors)."""
-    m, t, c = x3.shape
-    lead = (torch.arange(m, device=x3.device)[:, None] * t + torch.arange(k, device=x3.device)).reshape(-1)
-    if row_index is not None:  # outliers already zeroed in x3: take their exact rows from ``rows``
-        fresh = ~torch.isin(lead, row_index)
-        lead = lead[fresh]
-    new_rows = x3.reshape(-1, c)[lead].to(dtype)
-    x3 = x3.clone() if row_index is None else x3  # x3 may view the input
-    x3[:, :k] = x3[:, k : k + 1]
-    if row_index is None:
-        return x3, new_rows, lead
-    return x3, torch.cat([rows, new_rows]), torch.cat([row_index, lead])
-
-
-def _split_static(x3: torch.Tensor, ratio: float, k: int, dtype: torch.dtype):
-    """What :func:`_split_outliers` then :func:`_split_leading` do, at a fixed size: ``(x3 to
-    compress, rows, row_index, row_keep)``. Every outlier candidate's exact row is held; the
-    selected ones are zeroed in what is compressed, and ``row_keep`` marks them (a candidate that is
-    also a leading token is marked too, so both writes of that token in ``decompress`` agree)."""
-    m, t, c = x3.shape
-    flat = x3.reshape(-1, c)
-    index, keep, out = [], [], flat
-    lead = (torch.arange(m, device=x3.device)[:, None] * t + torch.arange(k, device=x3.device)).reshape(-1) if k else None
-    if ratio > 0:
-        cand, selected = outlier_candidates(x3, ratio, _absmax(x3))
-        picked = flat[cand]
-        out = flat.index_copy(0, cand, torch.where(selected[:, None], torch.zeros_like(picked), picked))
-        index.append(cand)
-        keep.append(selected if lead is None else selected | torch.isin(cand, lead))
-    if lead is not None:
-        out = out.clone() if out is flat else out  # x3 may view the input
-        out3 = out.view(m, t, c)
-        out3[:, :k] = out3[:, k : k + 1]
-        index.append(lead)
-        keep.append(torch.ones_like(lead, dtype=torch.bool))
-    row_index = torch.cat(index)
-    return out.view(m, t, c), flat[row_index].to(dtype), row_index, torch.cat(keep)
 
 
 def _compress_flat(x3: torch.Tensor, seed, bits: int, group_size: int):

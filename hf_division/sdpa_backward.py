@@ -108,9 +108,10 @@ def _additive(blocked: torch.Tensor) -> torch.Tensor:
 
     Why: ``masked_fill_`` of the ``T x T`` scores was the slowest op of this backward after the
     products; adding a broadcast float bias is one vectorized pass, and the bias is built on the
-    mask's own (broadcast, per-head-free) shape (docs/DESIGN.md, "Mechanism"). For finite scores the softmax is the same (``x + 0`` is
-    ``x``, ``x - inf`` is ``-inf``); a NaN or infinite score at a masked position (a non-finite
-    key, whose forward output is non-finite too) now spreads to its row instead of being replaced."""
+    mask's own (broadcast, per-head-free) shape (docs/DESIGN.md, "Mechanism"). For finite scores
+    the softmax is the same (``x + 0`` is ``x``, ``x - inf`` is ``-inf``); a NaN or infinite score
+    at a masked position (a non-finite key, whose forward output is non-finite too) spreads to its
+    row instead of being replaced."""
     return torch.zeros(blocked.shape, dtype=torch.float32, device=blocked.device).masked_fill_(blocked, float("-inf"))
 
 
