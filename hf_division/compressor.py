@@ -177,7 +177,7 @@ def compress(
     if lead >= x3.shape[1] > 0:  # every token exact: nothing to compress
         return Packed(x, None, None, None, shape, dtype, None, 0, block_size, group_size)
     scored = (ratio > 0 and not static and not lead and grouping == "tokens"
-              and _scored_in_encode(x3, block_size, lfc_dtype))
+              and _native_encodes(x3.device, block_size, x3.shape[1], lfc_dtype))
     if static and (ratio > 0 or lead > 0):
         x3, rows, row_index, row_keep = split_static(x3, ratio, lead, dtype)
     else:
@@ -216,7 +216,7 @@ def compress_row_scaled(x: torch.Tensor, row_scale: torch.Tensor, bits: int, blo
     tokens kept exact (``exact_tokens``)."""
     if (policy.get("exact_tokens", 0) or policy.get("grouping", "tokens") != "tokens" or not bits
             or x.dtype != torch.float32 or not x.is_contiguous() or x.dim() < 2
-            or not native.applies(x.device, lfc_dtype if min(block_size, x.shape[-2]) > 1 else None)):
+            or not _native_encodes(x.device, block_size, x.shape[-2], lfc_dtype)):
         return None
     x3, layout = _to_tokens(x, x.dim() - 2)
     ratio = policy.get("outlier_ratio", 0.0) if x3.shape[2] > 1 else 0.0
@@ -232,9 +232,10 @@ def compress_row_scaled(x: torch.Tensor, row_scale: torch.Tensor, bits: int, blo
     return kept
 
 
-def _scored_in_encode(x3: torch.Tensor, block_size: int, lfc_dtype: torch.dtype) -> bool:
-    """Whether the native encode takes ``x3`` with this LFC, so that :func:`_encode_then_split` applies."""
-    return native.applies(x3.device, lfc_dtype if min(block_size, x3.shape[1]) > 1 else None)
+def _native_encodes(device: torch.device, block_size: int, tokens: int, lfc_dtype: torch.dtype) -> bool:
+    """Whether the native encode takes rows of ``tokens`` tokens on ``device`` with this LFC (none
+    where a row is one block or less): where :func:`_encode_then_split` and the row scales apply."""
+    return native.applies(device, lfc_dtype if min(block_size, tokens) > 1 else None)
 
 
 def _encode_then_split(x3: torch.Tensor, seed, bits: int, block: int, group: int, lfc_dtype: torch.dtype,
