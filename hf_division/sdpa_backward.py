@@ -35,13 +35,21 @@ def _may_mask_whole_rows(attn_mask, tq_tk) -> bool:
 #: over the whole batch let them spill to memory between the five passes that touch them.
 CHUNK_BYTES = 4 << 20
 
+#: query tokens per block at most (docs/DESIGN.md, "Mechanism"): a chunk holds one block's scores
+#: per batch item, so long sequences stay in cache too.
+QUERY_BLOCK = 128
+
+#: query tokens per block where neighbouring blocks attend different keys (a causal mask): each
+#: block leaves out the keys all its queries have masked, which smaller blocks do more often.
+SKIP_BLOCK = 32
+
 
 def sdpa_grads(q, k, v, dout, attn_mask=None, keep=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """``(dq, dk, dv)`` of ``out = sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)`` for ``dout``,
     computed over chunks of the leading (batch) dimension (:func:`_sdpa_grads_block`)."""
     n = q.shape[0] if q.dim() == 4 else 1
-    per_item = q[0].numel() // q.shape[-1] * k.shape[-2] * 4 if n > 1 else 0
-    step = max(1, CHUNK_BYTES // per_item) if per_item else n
+    rows = q[0].numel() // q.shape[-1] // q.shape[-2] * min(q.shape[-2], QUERY_BLOCK) if n > 1 else 0
+    step = max(1, CHUNK_BYTES // (rows * k.shape[-2] * 4)) if rows else n
 
     def part(t, i):  # batch-sized tensors are sliced; broadcast ones (mask of batch 1) passed whole
         return t[i : i + step] if t is not None and t.dim() == 4 and t.shape[0] == n else t
@@ -56,51 +64,124 @@ def sdpa_grads(q, k, v, dout, attn_mask=None, keep=None, dropout_p=0.0, is_causa
 
 def _sdpa_grads_block(q, k, v, dout, attn_mask, keep, dropout_p, is_causal, scale, enable_gqa, out):
     """``(dq, dk, dv)`` of ``out = sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)`` for ``dout``,
-    written into ``out`` (three contiguous tensors shaped as q, k, v, in their dtypes).
+    written into ``out`` (three contiguous tensors shaped as q, k, v, in their dtypes), one block
+    of queries at a time (:func:`query_blocks`); ``dk`` and ``dv`` sum over the blocks.
 
     q ``(..., H, Tq, E)``, k ``(..., Hk, Tk, E)``, v ``(..., Hk, Tk, Ev)``, dout ``(..., H, Tq, Ev)``;
     ``attn_mask`` bool (True = attend) or additive float, broadcastable to ``(..., H, Tq, Tk)``;
     ``keep``: the dropout keep mask ``(..., H, Tq, Tk)`` (0/1 uint8), or None without dropout.
     ``enable_gqa``: ``H`` a multiple of ``Hk`` (query head i uses kv head ``i // (H // Hk)``).
-    Computed in float32: float32 targets take the products directly (``out=``), others a
+    Computed in float32: float32 ``dk``, ``dv`` targets take the products directly, others a
     converted copy.
     """
-    shape = q.shape
-    rep = q.shape[-3] // k.shape[-3]
-    # contiguous once: each product below would otherwise copy a strided (B, T, H, d) view again
-    q, dout = _fold_heads(q.float(), rep), _fold_heads(dout.float(), rep)
+    tq, tk = q.shape[-2], k.shape[-2]
     k, v = k.float().contiguous(), v.float().contiguous()
-    scale = 1.0 / math.sqrt(shape[-1]) if scale is None else scale
-    s = torch.matmul(q * scale, k.transpose(-2, -1))  # scaling q: a T x d pass, not T x T
-    if is_causal:
-        above = torch.ones(shape[-2], k.shape[-2], dtype=torch.bool, device=s.device).triu_(1)
-        s.add_(_fold_mask(_additive(above), rep, shape[-2]))
-    whole_rows = _may_mask_whole_rows(attn_mask, (shape[-2], k.shape[-2]))
-    if attn_mask is not None:
-        s.add_(_fold_mask(_additive(attn_mask.logical_not()) if attn_mask.dtype == torch.bool else attn_mask, rep,
-                          shape[-2]))
-    p = _safe_softmax(s) if whole_rows else torch.softmax(s, -1)
-    del s
-    ds_scale = scale
-    direct = all(t.dtype == torch.float32 for t in out)
-    dq_out, dk_out, dv_out = (out[0].view(q.shape), out[1], out[2]) if direct else (None, None, None)
-    if keep is not None:  # out = (P * keep / (1 - p_drop)) @ V: the constant is folded into the products
-        c = 1.0 / (1.0 - dropout_p)
-        keep = _fold_heads(keep, rep).to(p.dtype)  # once: two products with a uint8 mask would each convert it
-        dv = _matmul((p * keep).transpose(-2, -1), dout, dv_out).mul_(c)
-        dp = torch.matmul(dout, v.transpose(-2, -1)).mul_(keep)
-        ds_scale = scale * c
-    else:
-        dv = _matmul(p.transpose(-2, -1), dout, dv_out)
-        dp = torch.matmul(dout, v.transpose(-2, -1))
-    ds = torch._softmax_backward_data(dp, p, -1, torch.float32)
-    del dp, p
-    dq = _matmul(ds, k, dq_out).mul_(ds_scale)
-    dk = _matmul(ds.transpose(-2, -1), q, dk_out).mul_(ds_scale)
-    if not direct:
-        for target, g in zip(out, (dq.reshape(shape), dk, dv)):
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    c = 1.0 / (1.0 - dropout_p) if keep is not None else 1.0  # out = (P * keep * c) @ V
+    safe = _may_mask_whole_rows(attn_mask, (tq, tk))
+    dk, dv = (o if o.dtype == torch.float32 else torch.empty(o.shape, dtype=torch.float32, device=o.device)
+              for o in out[1:])
+    rep = q.shape[-3] // k.shape[-3]
+    # the last block first: it attends every key a block attends, so its products write dk and dv whole
+    for i, (t0, t1, kend) in enumerate(reversed(query_blocks(attn_mask, is_causal, tq, tk))):
+        bias = _block_bias(attn_mask, is_causal, rep, (t0, t1, kend))
+        kept = None if keep is None else keep[..., t0:t1, :kend]
+        direct = rep == 1 and t1 - t0 == tq and out[0].dtype == torch.float32  # dq folded is dq itself
+        dq = _block_grads(q[..., t0:t1, :], dout[..., t0:t1, :], k[..., :kend, :], v[..., :kend, :], bias, kept,
+                          safe, scale, (dk, dv, i == 0, out[0] if direct else None)).mul_(scale * c)
+        if not direct:
+            out[0][..., t0:t1, :].copy_(_unfold_heads(dq, rep))
+    dk.mul_(scale * c)
+    if keep is not None:
+        dv.mul_(c)
+    for target, g in zip(out[1:], (dk, dv)):
+        if target is not g:
             target.copy_(g)
     return out
+
+
+def query_blocks(attn_mask, is_causal, tq: int, tk: int) -> list[tuple[int, int, int]]:
+    """``[(t0, t1, kend)]``: blocks of queries and the keys ``0 .. kend - 1`` each attends. Keys
+    after ``kend`` are masked for every query of the block, so their probabilities are 0 and they
+    add nothing to any gradient: sdpa's causal mask (top-left aligned: query t attends keys up to
+    t) ends a block's keys at ``t1``; a mask at its queries' last attended key over the batch and
+    heads. Blocks of :data:`SKIP_BLOCK` queries, joined up to :data:`QUERY_BLOCK` where they attend
+    the same keys."""
+    last = _last_attended(attn_mask, tq, tk)
+    blocks = []
+    for t0 in range(0, tq, SKIP_BLOCK):
+        t1 = min(tq, t0 + SKIP_BLOCK)
+        kend = min(tk, t1) if is_causal else tk
+        if last is not None:  # at least one key: a block whose keys are all masked still runs its (safe) softmax
+            kend = min(kend, max(1, max(last[t0:t1])))
+        if blocks and blocks[-1][2] == kend and t1 - blocks[-1][0] <= QUERY_BLOCK:
+            t0 = blocks.pop()[0]
+        blocks.append((t0, t1, kend))
+    return blocks
+
+
+def _last_attended(attn_mask, tq: int, tk: int) -> list[int] | None:
+    """Per query, one past its last key that some batch item or head attends (0: none); None where
+    the mask does not limit keys this way (no mask, or one that broadcasts over keys)."""
+    if attn_mask is None or attn_mask.shape[-1] != tk:
+        return None
+    allowed = attn_mask if attn_mask.dtype == torch.bool else attn_mask != float("-inf")
+    anywhere = allowed.reshape(-1, *allowed.shape[-2:]).any(0)  # (Tq or 1, Tk)
+    last = (anywhere * torch.arange(1, tk + 1, device=anywhere.device)).amax(-1)
+    return last.expand(tq).tolist()
+
+
+def _block_bias(attn_mask, is_causal, rep: int, block: tuple[int, int, int]):
+    """The additive bias of one query block's scores, folded as its queries (:func:`_fold_heads`),
+    or None where nothing is masked."""
+    t0, t1, kend = block
+    bias = None
+    if is_causal:
+        above = torch.arange(kend) > torch.arange(t0, t1).unsqueeze(-1)
+        bias = _fold_mask(_additive(above), rep, t1 - t0) if bool(above.any()) else None
+    if attn_mask is not None:
+        m = attn_mask[..., t0:t1, :] if attn_mask.dim() >= 2 and attn_mask.shape[-2] > 1 else attn_mask
+        m = m[..., :kend] if m.shape[-1] > 1 else m
+        m = _fold_mask(_additive(m.logical_not()) if m.dtype == torch.bool else m, rep, t1 - t0)
+        bias = m if bias is None else bias + m
+    return bias
+
+
+def _block_grads(q, dout, k, v, bias, keep, safe: bool, scale: float, acc) -> torch.Tensor:
+    """``dq`` of one block of queries, float32, unscaled (times ``scale`` and the dropout constant
+    to come), folded as :func:`_fold_heads` (into ``acc[3]`` where given); its share of ``dk`` and
+    ``dv`` (as unscaled) added into, or for the first block ``acc[2]`` written as, ``acc[0]`` and
+    ``acc[1]``, over their first keys."""
+    rep = q.shape[-3] // k.shape[-3]
+    q, dout = _fold_heads(q.float(), rep), _fold_heads(dout.float(), rep)
+    s = torch.matmul(q * scale, k.transpose(-2, -1))  # scaling q: a T x d pass, not T x T
+    if bias is not None:
+        s.add_(bias)
+    p = _safe_softmax(s) if safe else torch.softmax(s, -1)
+    del s
+    dp = torch.matmul(dout, v.transpose(-2, -1))
+    if keep is not None:  # the dropout constant is folded in afterwards (_sdpa_grads_block)
+        keep = _fold_heads(keep, rep).to(p.dtype)  # once: two products with a uint8 mask would each convert it
+        _accumulate((p * keep).transpose(-2, -1), dout, acc[1], acc[2])
+        dp.mul_(keep)
+    else:
+        _accumulate(p.transpose(-2, -1), dout, acc[1], acc[2])
+    ds = torch._softmax_backward_data(dp, p, -1, torch.float32)
+    del dp, p
+    _accumulate(ds.transpose(-2, -1), q, acc[0], acc[2])
+    return torch.matmul(ds, k) if acc[3] is None else torch.matmul(ds, k, out=acc[3])
+
+
+def _accumulate(a: torch.Tensor, b: torch.Tensor, total: torch.Tensor, first: bool) -> None:
+    """``total[..., :n, :] += a @ b`` for ``a @ b`` of ``n`` rows; the first block sets ``total`` (its
+    rows past ``n`` to 0), through the product itself where it covers all of ``total``."""
+    n = a.shape[-2]
+    if first and n == total.shape[-2]:
+        torch.matmul(a, b, out=total)
+        return
+    if first:
+        total.zero_()
+    total[..., :n, :].add_(torch.matmul(a, b))
 
 
 def _additive(blocked: torch.Tensor) -> torch.Tensor:
@@ -115,28 +196,36 @@ def _additive(blocked: torch.Tensor) -> torch.Tensor:
     return torch.zeros(blocked.shape, dtype=torch.float32, device=blocked.device).masked_fill_(blocked, float("-inf"))
 
 
-def _matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    return torch.matmul(a, b) if out is None else torch.matmul(a, b, out=out)
-
-
 def _fold_heads(t: torch.Tensor, rep: int) -> torch.Tensor:
-    """``(..., H, T, X)`` as ``(..., H // rep, rep * T, X)``, contiguous: the ``rep`` query heads
-    that share one key/value head (grouped-query attention) become one taller matrix, so each
-    product runs against that head's keys as they are (no repeated copies of k and v) and the
-    products ``dk``, ``dv`` sum over the group as they accumulate."""
-    return t.unflatten(-3, (-1, rep)).flatten(-3, -2).contiguous()
+    """``(..., H, T, X)`` as ``(..., H // rep, T * rep, X)``, contiguous, row ``t * rep + i`` holding
+    query ``t`` of head ``i`` of a group: the ``rep`` query heads that share one key/value head
+    (grouped-query attention) become one taller matrix, so each product runs against that head's
+    keys as they are (no repeated copies of k and v) and the products ``dk``, ``dv`` sum over the
+    group as they accumulate. Rows of one query stay together, so a block of queries is a block
+    of rows."""
+    return t.unflatten(-3, (-1, rep)).transpose(-3, -2).flatten(-3, -2).contiguous()
+
+
+def _unfold_heads(t: torch.Tensor, rep: int) -> torch.Tensor:
+    """:func:`_fold_heads` undone, as a view: ``(..., G, T * rep, X)`` to ``(..., G * rep, T, X)``."""
+    return t.unflatten(-2, (-1, rep)).transpose(-3, -2).flatten(-4, -3)
 
 
 def _fold_mask(mask: torch.Tensor, rep: int, tq: int) -> torch.Tensor:
     """A mask broadcastable to ``(..., H, tq, Tk)`` laid out for :func:`_fold_heads`'s
-    ``(..., H // rep, rep * tq, Tk)``: its query rows repeated for each head of a group."""
+    ``(..., H // rep, tq * rep, Tk)``: each query row repeated for the heads of a group."""
     if rep == 1 or mask.dim() < 2:
         return mask
     per_head = mask.dim() >= 3 and mask.shape[-3] > 1
     if not per_head and mask.shape[-2] == 1:  # one row for every query: broadcasts as it is
         return mask
-    grouped = mask.unflatten(-3, (-1, rep)) if per_head else mask.unsqueeze(-3)  # (..., G, rep or 1, tq or 1, Tk)
-    return grouped.expand(*grouped.shape[:-3], rep, tq, grouped.shape[-1]).flatten(-3, -2)
+    if per_head:  # (..., G, rep, tq or 1, Tk) -> (..., G, tq, rep, Tk)
+        grouped = mask.unflatten(-3, (-1, rep))
+        grouped = grouped.expand(*grouped.shape[:-2], tq, grouped.shape[-1]).transpose(-3, -2)
+    else:  # (..., tq, 1, Tk) -> (..., tq, rep, Tk)
+        grouped = mask.unsqueeze(-2)
+        grouped = grouped.expand(*grouped.shape[:-2], rep, grouped.shape[-1])
+    return grouped.flatten(-3, -2)
 
 
 class _Placeholder(torch.autograd.Function):

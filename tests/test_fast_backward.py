@@ -38,18 +38,28 @@ def _mask(kind, tq=24, tk=24):
         return m
     if kind == "2d":
         return torch.randn(tq, tk, generator=g)
+    if kind == "causal_padded":  # what Transformers builds for a padded causal batch: item 1 has 5 padding keys
+        m = torch.ones(tq, tk, dtype=torch.bool).tril().expand(2, 1, tq, tk).clone()
+        m[1, ..., tk - 5 :] = False
+        return m
     return None
 
 
-@pytest.mark.parametrize("mask", [None, "bool", "float", "per_head", "per_head_row", "key_padding", "2d"])
+@pytest.mark.parametrize("mask", [None, "bool", "float", "per_head", "per_head_row", "key_padding", "2d", "causal_padded"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("gqa", [False, True])
 @pytest.mark.parametrize("tq", [24, 9])
-def test_matches_autograd_of_sdpa(mask, causal, gqa, tq):
+@pytest.mark.parametrize("blocks", [(128, 32), (8, 8), (5, 5), (8, 4)])
+def test_matches_autograd_of_sdpa(mask, causal, gqa, tq, blocks, monkeypatch):
     """Every mask layout sdpa broadcasts, with grouped-query heads folded into taller matrices
-    (hf_division.sdpa_backward._fold_heads) and queries shorter than keys."""
+    (hf_division.sdpa_backward._fold_heads), queries shorter than keys, and the queries in one
+    block or several (``QUERY_BLOCK``, ``SKIP_BLOCK``; causal blocks leave out their masked keys)."""
+    from hf_division import sdpa_backward
+
     if mask and causal:
         pytest.skip("sdpa takes a mask or is_causal")
+    monkeypatch.setattr(sdpa_backward, "QUERY_BLOCK", blocks[0])
+    monkeypatch.setattr(sdpa_backward, "SKIP_BLOCK", blocks[1])
     q, k, v, dout = _inputs(hk=2 if gqa else 4, tq=tq)
     m = _mask(mask, tq=tq)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=causal, scale=0.3, enable_gqa=gqa)
@@ -60,8 +70,44 @@ def test_matches_autograd_of_sdpa(mask, causal, gqa, tq):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+def testquery_blocks_leave_out_the_keys_every_query_of_the_block_has_masked(monkeypatch):
+    """Which keys each block of queries computes: all of them, but for those that every query of
+    the block (in every batch item and head) has masked: after the block under a causal mask,
+    padding keys, and at least one key. Blocks that attend the same keys are joined."""
+    from hf_division import sdpa_backward
+    from hf_division.sdpa_backward import query_blocks
+
+    monkeypatch.setattr(sdpa_backward, "QUERY_BLOCK", 8)
+    monkeypatch.setattr(sdpa_backward, "SKIP_BLOCK", 8)
+    causal = [(0, 8, 8), (8, 16, 16), (16, 24, 24)]
+    assert query_blocks(None, True, 24, 24) == causal
+    assert query_blocks(None, False, 24, 24) == [(0, 8, 24), (8, 16, 24), (16, 24, 24)]
+    assert query_blocks(None, True, 9, 24) == [(0, 8, 8), (8, 9, 9)]
+    padded = _mask("causal_padded")  # item 0 attends every key: nothing more is left out
+    assert query_blocks(padded, False, 24, 24) == causal
+    padded[0, ..., 19:] = False  # now every item has 5 padding keys
+    assert query_blocks(padded, False, 24, 24) == [(0, 8, 8), (8, 16, 16), (16, 24, 19)]
+    bias = torch.zeros(24, 24).masked_fill_(~padded[0, 0], float("-inf"))  # the same as a float bias
+    assert query_blocks(bias, False, 24, 24) == [(0, 8, 8), (8, 16, 16), (16, 24, 19)]
+    assert query_blocks(torch.randn(2, 1, 24, 24), False, 24, 24)[0] == (0, 8, 24)  # finite: every key
+    keys = torch.ones(2, 1, 1, 24, dtype=torch.bool)
+    keys[..., 20:] = False
+    assert query_blocks(keys, False, 24, 24) == [(0, 8, 20), (8, 16, 20), (16, 24, 20)]
+    assert query_blocks(torch.zeros(2, 1, 24, 24, dtype=torch.bool), False, 24, 24)[0] == (0, 8, 1)
+    monkeypatch.setattr(sdpa_backward, "SKIP_BLOCK", 4)
+    assert query_blocks(None, True, 12, 12) == [(0, 4, 4), (4, 8, 8), (8, 12, 12)]
+    assert query_blocks(None, False, 20, 20) == [(0, 8, 20), (8, 16, 20), (16, 20, 20)]
+    assert query_blocks(keys[..., :12], True, 12, 12) == [(0, 4, 4), (4, 8, 8), (8, 12, 12)]
+    assert query_blocks(padded, False, 24, 24)[-2:] == [(12, 16, 16), (16, 24, 19)]
+
+
 @pytest.mark.parametrize("gqa", [False, True])
-def test_dropout_keep_mask(gqa):
+@pytest.mark.parametrize("query_block", [128, 7])
+def test_dropout_keep_mask(gqa, query_block, monkeypatch):
+    from hf_division import sdpa_backward
+
+    monkeypatch.setattr(sdpa_backward, "QUERY_BLOCK", query_block)
+    monkeypatch.setattr(sdpa_backward, "SKIP_BLOCK", min(query_block, 32))
     q, k, v, dout = _inputs(hk=2 if gqa else 4)
     m = _mask("bool")
     keep = (torch.rand(2, 4, 24, 24, generator=torch.Generator().manual_seed(2)) > 0.25).to(torch.uint8)
@@ -77,9 +123,12 @@ def test_dropout_keep_mask(gqa):
 
 
 @pytest.mark.parametrize("model_type", ["bert", "llama"])
-def test_attention_fn_fast_path_matches_recomputation(model_type, monkeypatch):
+@pytest.mark.parametrize("query_block", [128, 16])
+def test_attention_fn_fast_path_matches_recomputation(model_type, query_block, monkeypatch):
     from hf_division import sdpa_backward
 
+    monkeypatch.setattr(sdpa_backward, "QUERY_BLOCK", query_block)
+    monkeypatch.setattr(sdpa_backward, "SKIP_BLOCK", min(query_block, 32))
     calls = []
     real = sdpa_backward.sdpa_grads
     monkeypatch.setattr(sdpa_backward, "sdpa_grads", lambda *a: calls.append(a[5] is not None) or real(*a))

@@ -180,3 +180,21 @@ def test_compressor_times_cover_rounding_and_the_outlier_score():
         expected.add("outlier score, max |x| per token (native)")
     assert expected <= set(rows), sorted(expected - set(rows))
     assert native.set_native(before) == before  # restored after the eager and fused rows
+
+
+@pytest.mark.parametrize("extra", [[], ["--no-causal", "--dropout", "0.1"], ["--dropout", "0.2"]])
+def test_attention_backward_suite_times_arms_it_checked(extra, capsys, monkeypatch):
+    from hf_division import sdpa_backward
+    from hf_division.suites import attention_backward
+
+    argv = ["--batch", "2", "--seq", "20", "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--rounds", "1"]
+    rows = attention_backward.main(argv + ["--blocks", "8:4"] + extra)
+    assert set(rows) == {"sdpa autograd", "division 128:32", "division one block (20:20)", "division 8:4"}
+    assert all(t > 0 for t in rows.values())
+    assert (sdpa_backward.QUERY_BLOCK, sdpa_backward.SKIP_BLOCK) == (128, 32)  # the arms put them back
+    assert "division 8:4" in capsys.readouterr().out
+    # an arm whose gradients differ from sdpa's is named, not timed
+    real = sdpa_backward.sdpa_grads
+    monkeypatch.setattr(sdpa_backward, "sdpa_grads", lambda *a: [g * 1.001 for g in real(*a)])
+    with pytest.raises(AssertionError, match="division 128:32: dq differs"):
+        attention_backward.main(argv + extra)

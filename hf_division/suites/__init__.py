@@ -26,6 +26,7 @@ SUITES = {
     "cuda": ".cuda",
     "architectures": ".architectures",
     "budget": ".budget",
+    "attention-backward": ".attention_backward",
 }
 
 
