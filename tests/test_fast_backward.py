@@ -168,11 +168,16 @@ def test_activation_direct_backward_matches_autograd():
 @pytest.mark.parametrize("mask", [None, "bool", "float", "broadcast"])
 @pytest.mark.parametrize("gqa", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_over_batch_matches_one_pass(monkeypatch, mask, gqa, dtype):
+@pytest.mark.parametrize("skip_block", [32, 5])
+def test_chunked_over_batch_matches_one_pass(monkeypatch, mask, gqa, dtype, skip_block):
     """sdpa_grads runs over chunks of the batch (cache-sized); per-item slices of q, k, v, dout,
     mask and dropout bits must give the one-pass result (masks of batch 1 are broadcast), in
-    the input dtype (float32 chunks are written by the products, others copied)."""
+    the input dtype (float32 chunks are written by the products, others copied), in one block
+    of queries or several."""
     from hf_division import sdpa_backward
+
+    monkeypatch.setattr(sdpa_backward, "SKIP_BLOCK", skip_block)
+    monkeypatch.setattr(sdpa_backward, "QUERY_BLOCK", 128 if skip_block == 32 else skip_block)
 
     q, k, v, dout = (t.detach().to(dtype) for t in _inputs(hk=2 if gqa else 4))
     m = _mask("float")[:1] if mask == "broadcast" else _mask(mask)
