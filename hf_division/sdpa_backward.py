@@ -82,7 +82,7 @@ def _sdpa_grads_block(q, k, v, dout, attn_mask, keep, dropout_p, is_causal, scal
     dk, dv = (o if o.dtype == torch.float32 else torch.empty(o.shape, dtype=torch.float32, device=o.device)
               for o in out[1:])
     rep = q.shape[-3] // k.shape[-3]
-    # the last block first: it attends every key a block attends, so its products write dk and dv whole
+    # the last block first: under a causal mask it attends the most keys, so its products write dk and dv whole
     for i, (t0, t1, kend) in enumerate(reversed(query_blocks(attn_mask, is_causal, tq, tk))):
         bias = _block_bias(attn_mask, is_causal, rep, (t0, t1, kend))
         kept = None if keep is None else keep[..., t0:t1, :kend]
