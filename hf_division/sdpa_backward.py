@@ -81,10 +81,10 @@ def _sdpa_grads_block(q, k, v, dout, attn_mask, keep, dropout_p, is_causal, scal
     safe = _may_mask_whole_rows(attn_mask, (tq, tk))
     dk, dv = (o if o.dtype == torch.float32 else torch.empty(o.shape, dtype=torch.float32, device=o.device)
               for o in out[1:])
-    rep = q.shape[-3] // k.shape[-3]
+    rep, diagonals = q.shape[-3] // k.shape[-3], {}
     # the last block first: under a causal mask it attends the most keys, so its products write dk and dv whole
     for i, (t0, t1, kend) in enumerate(reversed(query_blocks(attn_mask, is_causal, tq, tk))):
-        bias = _block_bias(attn_mask, is_causal, rep, (t0, t1, kend))
+        bias = _block_bias(attn_mask, is_causal, rep, (t0, t1, kend), diagonals)
         kept = None if keep is None else keep[..., t0:t1, :kend]
         direct = rep == 1 and t1 - t0 == tq and out[0].dtype == torch.float32  # dq folded is dq itself
         dq = _block_grads(q[..., t0:t1, :], dout[..., t0:t1, :], k[..., :kend, :], v[..., :kend, :], bias, kept,
@@ -131,32 +131,36 @@ def _last_attended(attn_mask, tq: int, tk: int) -> list[int] | None:
     return last.expand(tq).tolist()
 
 
-def _block_bias(attn_mask, is_causal, rep: int, block: tuple[int, int, int]):
-    """The additive bias of one query block's scores, folded as its queries (:func:`_fold_heads`),
-    or None where nothing is masked."""
+def _block_bias(attn_mask, is_causal, rep: int, block: tuple[int, int, int], diagonals: dict) -> list:
+    """``[(k0, bias)]``: additive biases of one query block's scores, each for keys ``k0`` onwards,
+    folded as its queries (:func:`_fold_heads`). Under the causal mask only keys ``t0 .. kend - 1``
+    of block ``t0 .. t1`` can be masked; that corner depends only on its shape, so blocks of one
+    shape share it (``diagonals``)."""
     t0, t1, kend = block
-    bias = None
-    if is_causal:
-        above = torch.arange(kend) > torch.arange(t0, t1).unsqueeze(-1)
-        bias = _fold_mask(_additive(above), rep, t1 - t0) if bool(above.any()) else None
+    biases = []
+    if is_causal and kend - t0 > 1:
+        shape = (t1 - t0, kend - t0)
+        if shape not in diagonals:
+            above = torch.arange(shape[1]) > torch.arange(shape[0]).unsqueeze(-1)
+            diagonals[shape] = _fold_mask(_additive(above), rep, shape[0])
+        biases.append((t0, diagonals[shape]))
     if attn_mask is not None:
         m = attn_mask[..., t0:t1, :] if attn_mask.dim() >= 2 and attn_mask.shape[-2] > 1 else attn_mask
         m = m[..., :kend] if m.shape[-1] > 1 else m
-        m = _fold_mask(_additive(m.logical_not()) if m.dtype == torch.bool else m, rep, t1 - t0)
-        bias = m if bias is None else bias + m
-    return bias
+        biases.append((0, _fold_mask(_additive(m.logical_not()) if m.dtype == torch.bool else m, rep, t1 - t0)))
+    return biases
 
 
-def _block_grads(q, dout, k, v, bias, keep, safe: bool, scale: float, acc) -> torch.Tensor:
-    """``dq`` of one block of queries, float32, unscaled (times ``scale`` and the dropout constant
+def _block_grads(q, dout, k, v, bias: list, keep, safe: bool, scale: float, acc) -> torch.Tensor:
+    """``dq`` of one block of queries (scores plus :func:`_block_bias`'s biases), float32, unscaled (times ``scale`` and the dropout constant
     to come), folded as :func:`_fold_heads` (into ``acc[3]`` where given); its share of ``dk`` and
     ``dv`` (as unscaled) added into, or for the first block ``acc[2]`` written as, ``acc[0]`` and
     ``acc[1]``, over their first keys."""
     rep = q.shape[-3] // k.shape[-3]
     q, dout = _fold_heads(q.float(), rep), _fold_heads(dout.float(), rep)
     s = torch.matmul(q * scale, k.transpose(-2, -1))  # scaling q: a T x d pass, not T x T
-    if bias is not None:
-        s.add_(bias)
+    for k0, b in bias:
+        s[..., k0:].add_(b)
     p = _safe_softmax(s) if safe else torch.softmax(s, -1)
     del s
     dp = torch.matmul(dout, v.transpose(-2, -1))
