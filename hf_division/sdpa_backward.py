@@ -22,13 +22,17 @@ def _safe_softmax(s):
     return _softmax(s, -1) if _softmax is not None else torch.softmax(s, -1).nan_to_num_(0.0)
 
 
+def _attended(attn_mask: torch.Tensor) -> torch.Tensor:
+    """Where a bool (True = attend) or additive float mask lets a query see a key."""
+    return attn_mask if attn_mask.dtype == torch.bool else attn_mask != float("-inf")
+
+
 def _may_mask_whole_rows(attn_mask, tq_tk) -> bool:
     """Whether some query row may have every key masked (then sdpa gives 0 there, not NaN). Checked
     on the mask, which broadcasts and is smaller than the scores: the safe softmax is several times slower."""
     if attn_mask is None:  # sdpa's causal mask is top-left aligned: every row keeps key 0
         return False
-    blocked = attn_mask.logical_not() if attn_mask.dtype == torch.bool else attn_mask == float("-inf")
-    return bool(blocked.all(-1).any()) if attn_mask.shape[-1] == tq_tk[1] else True
+    return bool(_attended(attn_mask).logical_not().all(-1).any()) if attn_mask.shape[-1] == tq_tk[1] else True
 
 
 #: bytes of float32 scores per chunk: the T x T intermediates of one chunk stay in cache. One pass
@@ -125,7 +129,7 @@ def _last_attended(attn_mask, tq: int, tk: int) -> list[int] | None:
     the mask does not limit keys this way (no mask, or one that broadcasts over keys)."""
     if attn_mask is None or attn_mask.shape[-1] != tk:
         return None
-    allowed = attn_mask if attn_mask.dtype == torch.bool else attn_mask != float("-inf")
+    allowed = _attended(attn_mask)
     anywhere = allowed.reshape(-1, *allowed.shape[-2:]).any(0)  # (Tq or 1, Tk)
     last = (anywhere * torch.arange(1, tk + 1, device=anywhere.device)).amax(-1)
     return last.expand(tq).tolist()
@@ -152,10 +156,10 @@ def _block_bias(attn_mask, is_causal, rep: int, block: tuple[int, int, int], dia
 
 
 def _block_grads(q, dout, k, v, bias: list, keep, safe: bool, scale: float, acc) -> torch.Tensor:
-    """``dq`` of one block of queries (scores plus :func:`_block_bias`'s biases), float32, unscaled (times ``scale`` and the dropout constant
-    to come), folded as :func:`_fold_heads` (into ``acc[3]`` where given); its share of ``dk`` and
-    ``dv`` (as unscaled) added into, or for the first block ``acc[2]`` written as, ``acc[0]`` and
-    ``acc[1]``, over their first keys."""
+    """``dq`` of one block of queries (scores plus :func:`_block_bias`'s biases), float32, unscaled
+    (times ``scale`` and the dropout constant to come), folded as :func:`_fold_heads` (into
+    ``acc[3]`` where given); its share of ``dk`` and ``dv`` (as unscaled) added into, or for the
+    first block ``acc[2]`` written as, ``acc[0]`` and ``acc[1]``, over their first keys."""
     rep = q.shape[-3] // k.shape[-3]
     q, dout = _fold_heads(q.float(), rep), _fold_heads(dout.float(), rep)
     s = torch.matmul(q * scale, k.transpose(-2, -1))  # scaling q: a T x d pass, not T x T

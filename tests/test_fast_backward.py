@@ -11,6 +11,13 @@ from hf_division.sdpa_backward import sdpa_grads
 from conftest import tiny_batch, tiny_model
 
 
+def _set_blocks(monkeypatch, query_block: int, skip_block: int) -> None:
+    from hf_division import sdpa_backward
+
+    monkeypatch.setattr(sdpa_backward, "QUERY_BLOCK", query_block)
+    monkeypatch.setattr(sdpa_backward, "SKIP_BLOCK", skip_block)
+
+
 def _inputs(h=4, hk=4, tq=24, tk=24, e=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(2, h, tq, e, generator=g, requires_grad=True)
@@ -54,12 +61,9 @@ def test_matches_autograd_of_sdpa(mask, causal, gqa, tq, blocks, monkeypatch):
     """Every mask layout sdpa broadcasts, with grouped-query heads folded into taller matrices
     (hf_division.sdpa_backward._fold_heads), queries shorter than keys, and the queries in one
     block or several (``QUERY_BLOCK``, ``SKIP_BLOCK``; causal blocks leave out their masked keys)."""
-    from hf_division import sdpa_backward
-
     if mask and causal:
         pytest.skip("sdpa takes a mask or is_causal")
-    monkeypatch.setattr(sdpa_backward, "QUERY_BLOCK", blocks[0])
-    monkeypatch.setattr(sdpa_backward, "SKIP_BLOCK", blocks[1])
+    _set_blocks(monkeypatch, *blocks)
     q, k, v, dout = _inputs(hk=2 if gqa else 4, tq=tq)
     m = _mask(mask, tq=tq)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=causal, scale=0.3, enable_gqa=gqa)
@@ -74,11 +78,9 @@ def testquery_blocks_leave_out_the_keys_every_query_of_the_block_has_masked(monk
     """Which keys each block of queries computes: all of them, but for those that every query of
     the block (in every batch item and head) has masked: after the block under a causal mask,
     padding keys, and at least one key. Blocks that attend the same keys are joined."""
-    from hf_division import sdpa_backward
     from hf_division.sdpa_backward import query_blocks
 
-    monkeypatch.setattr(sdpa_backward, "QUERY_BLOCK", 8)
-    monkeypatch.setattr(sdpa_backward, "SKIP_BLOCK", 8)
+    _set_blocks(monkeypatch, 8, 8)
     causal = [(0, 8, 8), (8, 16, 16), (16, 24, 24)]
     assert query_blocks(None, True, 24, 24) == causal
     assert query_blocks(None, False, 24, 24) == [(0, 8, 24), (8, 16, 24), (16, 24, 24)]
@@ -94,7 +96,7 @@ def testquery_blocks_leave_out_the_keys_every_query_of_the_block_has_masked(monk
     keys[..., 20:] = False
     assert query_blocks(keys, False, 24, 24) == [(0, 8, 20), (8, 16, 20), (16, 24, 20)]
     assert query_blocks(torch.zeros(2, 1, 24, 24, dtype=torch.bool), False, 24, 24)[0] == (0, 8, 1)
-    monkeypatch.setattr(sdpa_backward, "SKIP_BLOCK", 4)
+    _set_blocks(monkeypatch, 8, 4)
     assert query_blocks(None, True, 12, 12) == [(0, 4, 4), (4, 8, 8), (8, 12, 12)]
     assert query_blocks(None, False, 20, 20) == [(0, 8, 20), (8, 16, 20), (16, 20, 20)]
     assert query_blocks(keys[..., :12], True, 12, 12) == [(0, 4, 4), (4, 8, 8), (8, 12, 12)]
@@ -104,10 +106,7 @@ def testquery_blocks_leave_out_the_keys_every_query_of_the_block_has_masked(monk
 @pytest.mark.parametrize("gqa", [False, True])
 @pytest.mark.parametrize("query_block", [128, 7])
 def test_dropout_keep_mask(gqa, query_block, monkeypatch):
-    from hf_division import sdpa_backward
-
-    monkeypatch.setattr(sdpa_backward, "QUERY_BLOCK", query_block)
-    monkeypatch.setattr(sdpa_backward, "SKIP_BLOCK", min(query_block, 32))
+    _set_blocks(monkeypatch, query_block, min(query_block, 32))
     q, k, v, dout = _inputs(hk=2 if gqa else 4)
     m = _mask("bool")
     keep = (torch.rand(2, 4, 24, 24, generator=torch.Generator().manual_seed(2)) > 0.25).to(torch.uint8)
@@ -127,8 +126,7 @@ def test_dropout_keep_mask(gqa, query_block, monkeypatch):
 def test_attention_fn_fast_path_matches_recomputation(model_type, query_block, monkeypatch):
     from hf_division import sdpa_backward
 
-    monkeypatch.setattr(sdpa_backward, "QUERY_BLOCK", query_block)
-    monkeypatch.setattr(sdpa_backward, "SKIP_BLOCK", min(query_block, 32))
+    _set_blocks(monkeypatch, query_block, min(query_block, 32))
     calls = []
     real = sdpa_backward.sdpa_grads
     monkeypatch.setattr(sdpa_backward, "sdpa_grads", lambda *a: calls.append(a[5] is not None) or real(*a))
@@ -176,8 +174,7 @@ def test_chunked_over_batch_matches_one_pass(monkeypatch, mask, gqa, dtype, skip
     of queries or several."""
     from hf_division import sdpa_backward
 
-    monkeypatch.setattr(sdpa_backward, "SKIP_BLOCK", skip_block)
-    monkeypatch.setattr(sdpa_backward, "QUERY_BLOCK", 128 if skip_block == 32 else skip_block)
+    _set_blocks(monkeypatch, 128 if skip_block == 32 else skip_block, skip_block)
 
     q, k, v, dout = (t.detach().to(dtype) for t in _inputs(hk=2 if gqa else 4))
     m = _mask("float")[:1] if mask == "broadcast" else _mask(mask)

@@ -24,11 +24,13 @@ from ..timing import interleaved_times, timed
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m hf_division.suites attention-backward", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name, default in (("batch", 32), ("seq", 128), ("heads", 9), ("kv-heads", 3), ("head-dim", 64), ("rounds", 15),
-                          ("threads", 2)):
+    for name, default in (("batch", 32), ("seq", 128), ("heads", 9), ("kv-heads", 3), ("head-dim", 64),
+                          ("rounds", 15), ("threads", 2)):
         ap.add_argument(f"--{name}", type=int, default=default)
-    ap.add_argument("--no-causal", action="store_true", help="a key-padding mask (half the keys of every other item) instead")
-    ap.add_argument("--dropout", type=float, default=0.0, help="attention dropout: division replays a recorded keep mask")
+    ap.add_argument("--no-causal", action="store_true",
+                    help="a key-padding mask (half the keys of every other item) instead")
+    ap.add_argument("--dropout", type=float, default=0.0,
+                    help="attention dropout: division replays a recorded keep mask")
     ap.add_argument("--blocks", nargs="*", default=[], help="also division at these QUERY_BLOCK:SKIP_BLOCK")
     return ap
 
@@ -75,8 +77,8 @@ def division_backward(x: dict, p: float, blocks: tuple[int, int] | None):
 
 def arms(args, x: dict) -> dict:
     t = args.seq
-    found = {"sdpa autograd": autograd_backward(x, args.dropout),
-             f"division {sdpa_backward.QUERY_BLOCK}:{sdpa_backward.SKIP_BLOCK}": division_backward(x, args.dropout, None),
+    default = f"division {sdpa_backward.QUERY_BLOCK}:{sdpa_backward.SKIP_BLOCK}"
+    found = {"sdpa autograd": autograd_backward(x, args.dropout), default: division_backward(x, args.dropout, None),
              f"division one block ({t}:{t})": division_backward(x, args.dropout, (t, t))}
     for spec in args.blocks:
         qb, sb = (int(n) for n in spec.split(":"))
