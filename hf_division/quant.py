@@ -219,6 +219,17 @@ def round_lfc(v: torch.Tensor, dtype: torch.dtype):
     return (rounded.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16), rounded
 
 
+def block_sum(x4: torch.Tensor) -> torch.Tensor:
+    """``(s, blocks, block, C)`` -> the sum over each block's tokens, added in token order from +0
+    as the native encode adds them: ATen's ``sum`` over that axis orders the additions differently
+    for the channels past the last whole vector, so a block mean could round to the neighbouring
+    bf16 value (found for about one tensor in 25 of 3 x 70 x 300 normal draws)."""
+    acc = torch.zeros_like(x4[:, :, 0])
+    for i in range(x4.shape[2]):
+        acc = acc + x4[:, :, i]
+    return acc
+
+
 def token_stats(x, bits: int, block: int, group: int, lfc_dtype: torch.dtype):
     """Tokens ``(s * group, C)`` float32 -> ``(lfc, lf, lo, scale, inv)``, the per-block and per-group
     values of :func:`encode_tokens`: ``lfc`` ``(s * group / block, C)`` block means in ``lfc_dtype``
@@ -228,7 +239,7 @@ def token_stats(x, bits: int, block: int, group: int, lfc_dtype: torch.dtype):
     s = n // group
     if block > 1:
         x4 = x.view(s, group // block, block, c)
-        lfc, lf = round_lfc(x4.sum(2) * (1.0 / block), lfc_dtype)
+        lfc, lf = round_lfc(block_sum(x4) * (1.0 / block), lfc_dtype)
         h = (x4 - lf.unsqueeze(2)).view(s, group, c)
         lfc, lf = lfc.view(-1, c), lf.view(-1, c)
     else:
