@@ -18,7 +18,7 @@ import model_patches  # noqa: F401 - importing it registers every family
 from .attention import CONFIG_ATTR, restore
 from .config import DivisionConfig
 from .patching import (PatchState, layer_names, patch_causal_lm_loss, patch_checkpointing, patch_root, restore_forward,
-                       restore_loss_functions, unwrap)
+                       restore_loss_functions, restore_rotary, unwrap)
 from .registry import fallback, family, supported_model_types
 
 __all__ = ["apply_division", "remove_division", "restored_division", "division_config_of", "patched_modules",
@@ -150,6 +150,7 @@ def _undo(base: nn.Module, state: PatchState) -> None:
         restore_forward(module, previous)
     restore(state.attn)
     restore_loss_functions(state)
+    restore_rotary(state)
     for module in base.modules():
         module.__dict__.pop(CONFIG_ATTR, None)
 

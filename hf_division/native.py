@@ -151,6 +151,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.hfd_masked_scale.restype = None
     lib.hfd_bernoulli_bits.argtypes = [p, p, p, ctypes.c_double, i64, p]
     lib.hfd_bernoulli_bits.restype = None
+    lib.hfd_rotary.argtypes = [p, i64, i64, i64, p, p, i64, i64, p, i64, i64, i64, i64, i64, i64, i64, i32, i32]
+    lib.hfd_rotary.restype = None
     return lib
 
 
@@ -213,6 +215,20 @@ def silu_gated(n: int, c: int, group: int, gate: tuple, up: tuple, grad: torch.T
     status = kernels().hfd_silu_gated(n, c, group, *args, _threads(n * c))
     if status:
         raise MemoryError("hf-division: the SiLU-gated kernel could not allocate its tile buffers")
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: bool) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin``, Transformers' rotary embedding of one ``(b, h, t, e)``
+    float32 tensor, or with ``backward`` its gradient when ``x`` is the output's gradient; ``cos`` and
+    ``sin``: ``(b or 1, t, e)`` float32 with equal strides and a unit last stride (what
+    :func:`hf_division.rotary.takes` checks). The result has ``x``'s layout where ``empty_like`` keeps it."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty_like(x)
+    b, h, t, e = x.shape
+    batch_stride = cos.stride(0) if cos.shape[0] > 1 else 0
+    kernels().hfd_rotary(_ptr(x), *x.stride()[:3], _ptr(cos), _ptr(sin), batch_stride, cos.stride(1), _ptr(out),
+                         *out.stride()[:3], b, h, t, e, int(backward), _threads(x.numel()))
+    return out
 
 
 def token_absmax(x3: torch.Tensor) -> torch.Tensor | None:

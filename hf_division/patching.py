@@ -2,7 +2,9 @@
 
 Patching replaces the ``forward`` of individual module *instances* (never classes, never the
 module tree), so state dicts, checkpoints and other instances are untouched, and restoring is
-deleting the instance attribute again (:func:`restore_forward`). Each primitive records what it
+deleting the instance attribute again (:func:`restore_forward`). The one module-level function
+replaced, the rotary embedding's (:func:`patch_rotary`), is a wrapper that runs the original outside
+a patched attention module's training forward, removed with the last model using it. Each primitive records what it
 replaced in a :class:`PatchState`; :mod:`hf_division.api` owns that state's life cycle
 (docs/DESIGN.md, "Patching, registry and families").
 """
@@ -10,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import types
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -24,6 +28,7 @@ from .layer_norm import layer_norm, takes as layer_norm_takes
 from .rms_norm import eps_of as rms_norm_eps, rms_norm, takes as rms_norm_takes
 from .lm_loss import causal_lm_loss, tag_logits
 from .noise import model_stream
+from . import rotary
 from .dropout import BitDropout
 from .ops import CheckpointFn, GatedFn, LinearFn, RecomputeFn
 from .saved import compressed_saves
@@ -40,6 +45,7 @@ class PatchState:
     attn: list = field(default_factory=list)  # config objects switched to division attention
     names: dict = field(default_factory=dict)  # id(module) -> name in the model (for module_bits)
     losses: list = field(default_factory=list)  # models whose ``loss_function`` was set
+    rotary: dict = field(default_factory=dict)  # modeling module name -> finalizer that uninstalls its wrapper
 
 
 def layer_names(model: nn.Module) -> list[str]:
@@ -146,6 +152,38 @@ def patch_gated_mlp(state: PatchState, mlp: nn.Module, up_first: bool = False) -
         return forward
 
     wrap_forward(state, mlp, make)
+
+
+def patch_rotary(state: PatchState, attention: nn.Module) -> None:
+    """An attention module whose modeling file rotates q and k with ``apply_rotary_pos_emb``: in
+    a training forward that function runs as :class:`~hf_division.rotary.RotaryFn` (the same values,
+    one native pass forward and one backward), where :func:`hf_division.rotary.matches` found it
+    computing what the kernel computes; elsewhere, and in every other model, it is the original."""
+    modeling = sys.modules[type(attention).__module__]
+    if modeling.__name__ not in state.rotary:
+        if not rotary.install(modeling):
+            return
+        # a model dropped without remove_division releases its use when its state is collected
+        state.rotary[modeling.__name__] = weakref.finalize(state, rotary.uninstall, modeling)
+
+    def make(orig):
+        def forward(self, *args, **kwargs):
+            if not (self.training and torch.is_grad_enabled()):
+                return orig(*args, **kwargs)
+            with rotary.enabled():
+                return orig(*args, **kwargs)
+
+        return forward
+
+    wrap_forward(state, attention, make)
+
+
+def restore_rotary(state: PatchState) -> None:
+    """Undo :func:`patch_rotary`'s wrappers of module functions (the instance forwards are in
+    ``state.modules``)."""
+    for release in state.rotary.values():
+        release()  # a finalizer runs once
+    state.rotary.clear()
 
 
 def patch_saved(state: PatchState, module: nn.Module, kind: str) -> None:

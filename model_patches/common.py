@@ -4,7 +4,7 @@ import functools
 from torch import nn
 from transformers.activations import ACT2CLS
 
-from hf_division.patching import patch_gated_mlp, patch_modules, patch_saved, use_attention_interface
+from hf_division.patching import patch_gated_mlp, patch_modules, patch_rotary, patch_saved, use_attention_interface
 
 #: activation modules Transformers builds from ``config.hidden_act``
 ACTIVATIONS = tuple({cls if isinstance(cls, type) else cls[0] for cls in ACT2CLS.values()})
@@ -53,14 +53,17 @@ def with_patches(base, *pairs):
     return apply
 
 
-def gated_decoder_patcher(norm_type, mlp_type, up_first=False):
-    """Patcher for Llama-style decoders: ``norm_type`` (RMSNorm variants) and gated ``mlp_type``."""
+def gated_decoder_patcher(norm_type, mlp_type, up_first=False, attention_type=()):
+    """Patcher for Llama-style decoders: ``norm_type`` (RMSNorm variants), gated ``mlp_type`` and
+    ``attention_type``, whose modeling file's rotary embedding runs as one native pass each way in
+    training (:func:`~hf_division.patching.patch_rotary`)."""
 
     return with_patches(encoder_patcher(norm_types=(nn.LayerNorm, norm_type)),
-                        (mlp_type, functools.partial(patch_gated_mlp, up_first=up_first)))
+                        (mlp_type, functools.partial(patch_gated_mlp, up_first=up_first)),
+                        (attention_type, patch_rotary))
 
 
-def moe_patcher(norm_type, mlp_type, experts_type, router_type):
+def moe_patcher(norm_type, mlp_type, experts_type, router_type, attention_type=()):
     """Patcher for mixture-of-experts decoders (Mixtral, Qwen-MoE): a Llama-style decoder whose
     MLP is a router plus experts stored as 3-D parameters. The experts index their weights and
     gather their tokens instead of calling ``nn.Linear``, and Transformers dispatches them to one
@@ -68,6 +71,6 @@ def moe_patcher(norm_type, mlp_type, experts_type, router_type):
     saves it (:func:`~hf_division.patching.patch_saved`), kernel-agnostic. Their gate/up/product
     tensors take the gated-MLP policy (``activation``); the router's input is a linear input."""
 
-    return with_patches(gated_decoder_patcher(norm_type, mlp_type),
+    return with_patches(gated_decoder_patcher(norm_type, mlp_type, attention_type=attention_type),
                         (experts_type, functools.partial(patch_saved, kind="activation")),
                         (router_type, functools.partial(patch_saved, kind="linear")))

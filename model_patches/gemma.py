@@ -1,8 +1,10 @@
 """Gemma: RMSNorm with a (1 + weight) scale, gated GELU MLP, rotary attention (grouped-query) through the attention interface."""
-from transformers.models.gemma.modeling_gemma import GemmaMLP, GemmaRMSNorm
+from transformers.models.gemma.modeling_gemma import GemmaAttention, GemmaMLP, GemmaRMSNorm
 
 from hf_division.registry import register
 
 from .common import GATED_DECODER_DEFAULTS, gated_decoder_patcher
 
-apply_division_to_gemma = register("gemma", defaults=GATED_DECODER_DEFAULTS)(gated_decoder_patcher(GemmaRMSNorm, GemmaMLP))
+apply_division_to_gemma = register("gemma", defaults=GATED_DECODER_DEFAULTS)(
+    gated_decoder_patcher(GemmaRMSNorm, GemmaMLP, attention_type=GemmaAttention)
+)

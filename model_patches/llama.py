@@ -1,8 +1,10 @@
 """Llama: RMSNorm, gated MLP, rotary attention (grouped-query) through the attention interface."""
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
 
 from hf_division.registry import register
 
 from .common import GATED_DECODER_DEFAULTS, gated_decoder_patcher
 
-apply_division_to_llama = register("llama", defaults=GATED_DECODER_DEFAULTS)(gated_decoder_patcher(LlamaRMSNorm, LlamaMLP))
+apply_division_to_llama = register("llama", defaults=GATED_DECODER_DEFAULTS)(
+    gated_decoder_patcher(LlamaRMSNorm, LlamaMLP, attention_type=LlamaAttention)
+)

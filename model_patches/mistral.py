@@ -1,8 +1,10 @@
 """Mistral: RMSNorm, gated MLP, rotary attention (grouped-query) through the attention interface."""
-from transformers.models.mistral.modeling_mistral import MistralMLP, MistralRMSNorm
+from transformers.models.mistral.modeling_mistral import MistralAttention, MistralMLP, MistralRMSNorm
 
 from hf_division.registry import register
 
 from .common import GATED_DECODER_DEFAULTS, gated_decoder_patcher
 
-apply_division_to_mistral = register("mistral", defaults=GATED_DECODER_DEFAULTS)(gated_decoder_patcher(MistralRMSNorm, MistralMLP))
+apply_division_to_mistral = register("mistral", defaults=GATED_DECODER_DEFAULTS)(
+    gated_decoder_patcher(MistralRMSNorm, MistralMLP, attention_type=MistralAttention)
+)

@@ -1,10 +1,15 @@
 """Mixtral: a Mistral decoder whose MLP is a top-k router over experts held as 3-D parameters."""
-from transformers.models.mixtral.modeling_mixtral import MixtralExperts, MixtralRMSNorm, MixtralTopKRouter
+from transformers.models.mixtral.modeling_mixtral import (
+    MixtralAttention,
+    MixtralExperts,
+    MixtralRMSNorm,
+    MixtralTopKRouter,
+)
 
 from hf_division.registry import register
 
 from .common import GATED_DECODER_DEFAULTS, moe_patcher
 
 apply_division_to_mixtral = register("mixtral", defaults=GATED_DECODER_DEFAULTS)(
-    moe_patcher(MixtralRMSNorm, (), MixtralExperts, MixtralTopKRouter)
+    moe_patcher(MixtralRMSNorm, (), MixtralExperts, MixtralTopKRouter, attention_type=MixtralAttention)
 )

@@ -2,6 +2,7 @@
 whole sparse block is caught where autograd saves (the shared expert's product with its gate is
 computed inline, outside any module); its dense gated MLPs keep their own op."""
 from transformers.models.qwen2_moe.modeling_qwen2_moe import (
+    Qwen2MoeAttention,
     Qwen2MoeMLP,
     Qwen2MoeRMSNorm,
     Qwen2MoeSparseMoeBlock,
@@ -13,5 +14,6 @@ from hf_division.registry import register
 from .common import GATED_DECODER_DEFAULTS, moe_patcher
 
 apply_division_to_qwen2_moe = register("qwen2_moe", defaults=GATED_DECODER_DEFAULTS)(
-    moe_patcher(Qwen2MoeRMSNorm, Qwen2MoeMLP, Qwen2MoeSparseMoeBlock, Qwen2MoeTopKRouter)
+    moe_patcher(Qwen2MoeRMSNorm, Qwen2MoeMLP, Qwen2MoeSparseMoeBlock, Qwen2MoeTopKRouter,
+                attention_type=Qwen2MoeAttention)
 )

@@ -430,6 +430,35 @@ int hfd_silu_gated(int64_t n, int64_t c, int64_t group, const uint8_t *g_codes, 
     return 0;
 }
 
+/* ----------------------------------------------------------------------------- rotary embedding */
+/* Transformers' apply_rotary_pos_emb on one tensor, x * cos + rotate_half(x) * sin with
+ * rotate_half(x) = cat(-x2, x1) (x1, x2 the halves of the last axis), and its gradient, the transposed
+ * map: dx = g * cos + cat(g2 * s2, -(g1 * s1)). Each product and the one sum are rounded on their own,
+ * as ATen's mul, mul and add round them, so the values are ATen's (a + (-b) is a - b in IEEE
+ * arithmetic); the gradient adds no zero-filled slices (hf_division/rotary.py). x, out: (b, h, t, e)
+ * with strides xs / os for the first three axes and 1 for the last; cos, sin: (b or 1, t, e) with
+ * strides cs (batch, token) and 1, broadcast over h. */
+void hfd_rotary(const float *x, int64_t xs_b, int64_t xs_h, int64_t xs_t, const float *cs, const float *sn,
+                int64_t cs_b, int64_t cs_t, float *out, int64_t os_b, int64_t os_h, int64_t os_t, int64_t b,
+                int64_t h, int64_t t, int64_t e, int backward, int threads) {
+    const int64_t half = e / 2;
+    #pragma omp parallel for num_threads(threads) collapse(3) schedule(static)
+    for (int64_t i = 0; i < b; i++)
+        for (int64_t k = 0; k < h; k++)
+            for (int64_t r = 0; r < t; r++) {
+                const float *restrict v = x + i * xs_b + k * xs_h + r * xs_t;
+                const float *restrict c = cs + i * cs_b + r * cs_t, *restrict s = sn + i * cs_b + r * cs_t;
+                float *restrict o = out + i * os_b + k * os_h + r * os_t;
+                if (backward) {
+                    for (int64_t j = 0; j < half; j++) o[j] = v[j] * c[j] + v[j + half] * s[j + half];
+                    for (int64_t j = 0; j < half; j++) o[j + half] = v[j + half] * c[j + half] - v[j] * s[j];
+                } else {
+                    for (int64_t j = 0; j < half; j++) o[j] = v[j] * c[j] - v[j + half] * s[j];
+                    for (int64_t j = 0; j < half; j++) o[j + half] = v[j + half] * c[j + half] + v[j] * s[j + half];
+                }
+            }
+}
+
 /* ----------------------------------------------------------------------------- outlier search */
 /* quant.outlier_candidates' score: per token of n tokens of c channels, max |x| (NaN where the token
  * has a NaN, as torch.maximum(amax, -amin) gives it). One pass: ATen's amax and amin over a short

@@ -8,6 +8,7 @@ python -m hf_division.suites step-time --glue-dir ../shared/data/glue --task mrp
 python -m hf_division.suites step-time --aten-draws   # also division with ATen's dropout draws, not the native ones
 python -m hf_division.suites step-time --model llama-4l --generic-norm   # also division with RMSNorm recomputed under autograd
 python -m hf_division.suites step-time --model llama-4l --rebuilt-gated   # also division rebuilding gate and up (no fused SiLU kernel)
+python -m hf_division.suites step-time --model llama-4l --plain-rotary   # also division with the rotary embedding under autograd
 python -m hf_division.suites step-time --nearest   # also division rounding to nearest: the floor of any noise generator
 python -m hf_division.suites step-time --control   # also a second unpatched copy of the model: the A/A spread of this run
 python -m hf_division.suites step-time --split   # also the forward (up to the loss) and the backward apart
@@ -32,7 +33,7 @@ import torch
 from transformers import HfArgumentParser
 
 from ..config import DivisionConfig
-from .. import fused, gated, native, rms_norm
+from .. import fused, gated, native, rms_norm, rotary
 from ..glue import collated_batches, get_task
 from ..api import apply_division
 from ..store import COMPRESS_LABEL, REBUILD_LABEL
@@ -73,6 +74,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--rebuilt-gated", action="store_true",
                     help="also time division with the SiLU-gated MLP's gate and up rebuilt as tensors in backward "
                          "(hf_division.gated.use_fused_gated)")
+    ap.add_argument("--plain-rotary", action="store_true",
+                    help="also time division with the model's rotary embedding run under autograd, not as one "
+                         "native pass each way (hf_division.rotary.use_fast_rotary)")
     ap.add_argument("--nearest", action="store_true",
                     help="also time division rounding its codes to nearest (division_rounding nearest): "
                          "the step a rounding-noise generator that cost nothing would leave")
@@ -97,7 +101,7 @@ def build_methods(args, dc: DivisionConfig) -> tuple[dict, dict]:
     if args.nearest:
         methods["division-nearest"] = apply_division(copy.deepcopy(base), dataclasses.replace(dc, rounding="nearest"))
     for flag, arm in ((args.aten_draws, "division-aten-draws"), (args.generic_norm, "division-generic-norm"),
-                      (args.rebuilt_gated, "division-rebuilt-gated")):
+                      (args.rebuilt_gated, "division-rebuilt-gated"), (args.plain_rotary, "division-plain-rotary")):
         if flag:
             methods[arm] = methods["division"]
     chunks = {"division": fused.TOKEN_CHUNK}
@@ -126,12 +130,14 @@ def main(argv=None):
         former = native.set_native_draws(name != "division-aten-draws")
         direct = rms_norm.use_direct_backward(name != "division-generic-norm")
         fused_gated = gated.use_fused_gated(name != "division-rebuilt-gated")
+        fast_rotary = rotary.use_fast_rotary(name != "division-plain-rotary")
         try:
             dt = timed(lambda: step(model, batch, forward[name]))
         finally:
             native.set_native_draws(former)
             rms_norm.use_direct_backward(direct)
             gated.use_fused_gated(fused_gated)
+            rotary.use_fast_rotary(fast_rotary)
         model.zero_grad(set_to_none=True)
         return dt
 
