@@ -168,7 +168,7 @@ def patch_rotary(state: PatchState, attention: nn.Module) -> None:
 
     def make(orig):
         def forward(self, *args, **kwargs):
-            if not (self.training and torch.is_grad_enabled()):
+            if not (self.training and torch.is_grad_enabled()) or torch.compiler.is_compiling():
                 return orig(*args, **kwargs)
             with rotary.enabled():
                 return orig(*args, **kwargs)

@@ -93,8 +93,8 @@ def takes(q, k, cos, sin) -> bool:
 def _wrap(original):
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        if _inside.get() and not args and kwargs.get("unsqueeze_dim", 1) == 1 and len(kwargs) <= 1 \
-                and takes(q, k, cos, sin):
+        if not torch.compiler.is_compiling() and _inside.get() and not args and len(kwargs) <= 1 \
+                and kwargs.get("unsqueeze_dim", 1) == 1 and takes(q, k, cos, sin):
             return RotaryFn.apply(q, k, cos, sin)
         return original(q, k, cos, sin, *args, **kwargs)
 
