@@ -3,10 +3,10 @@
 Transformers' decoders (Llama, Mistral, Qwen, Gemma, Phi-3) rotate q and k with their modeling
 module's ``apply_rotary_pos_emb(q, k, cos, sin)``: ``x * cos + rotate_half(x) * sin``. Under
 autograd its backward is about eight ATen passes per tensor (two products, the concatenation's two
-slices each written into a zero-filled tensor, a negation, the sums), at the Llama shape about as
-long as compressing every saved tensor of the layer. ``hfd_rotary`` computes the same values in one
-pass each way, product by product and sum by sum as ATen rounds them (docs/DESIGN.md, "Rotary
-embedding"); nothing is held for backward but ``cos`` and ``sin``, which autograd keeps too.
+slices each written into a zero-filled tensor, a negation, the sums). ``hfd_rotary`` computes the
+same values in one pass each way, product by product and sum by sum as ATen rounds them
+(docs/DESIGN.md, "Mechanism", the rotary embedding); nothing is held for backward but ``cos`` and
+``sin``, which autograd keeps too.
 
 The function is a module global that the attention's forward looks up, so it cannot be replaced
 per instance: :func:`install` puts a wrapper in its place which runs the original everywhere except
@@ -93,7 +93,7 @@ def takes(q, k, cos, sin) -> bool:
 def _wrap(original):
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        if not torch.compiler.is_compiling() and _inside.get() and not args and len(kwargs) <= 1 \
+        if not torch.compiler.is_compiling() and _inside.get() and not args and set(kwargs) <= {"unsqueeze_dim"} \
                 and kwargs.get("unsqueeze_dim", 1) == 1 and takes(q, k, cos, sin):
             return RotaryFn.apply(q, k, cos, sin)
         return original(q, k, cos, sin, *args, **kwargs)

@@ -142,6 +142,8 @@ def test_calls_the_kernel_does_not_take_run_the_original(kernel_calls):
         wrapped(q.bfloat16(), k.bfloat16(), cos.bfloat16(), sin.bfloat16())
         wrapped(q, k, cos.clone().requires_grad_(), sin)
         wrapped(q.transpose(1, 2), k.transpose(1, 2), cos, sin, unsqueeze_dim=2)
+        with pytest.raises(TypeError):  # a keyword the kernel does not know goes to the original
+            wrapped(q, k, cos, sin, position_ids=None)
         with torch.no_grad():
             wrapped(q, k, cos, sin)
         assert kernel_calls == []
