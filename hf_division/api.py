@@ -2,7 +2,7 @@
 
 Which modules get which treatment is decided per architecture by ``model_patches`` (each family
 registers itself in :mod:`hf_division.registry`, as in Liger-Kernel's registry of apply functions);
-the patching itself is the primitives of :mod:`hf_division.patching` (docs/DESIGN.md, "Patching, registry and families").
+the patching itself is the primitives of :mod:`hf_division.patching.primitives` (docs/DESIGN.md, "Patching, registry and families").
 """
 from __future__ import annotations
 
@@ -15,16 +15,18 @@ from torch import nn
 from transformers import PretrainedConfig
 
 import model_patches  # noqa: F401 - importing it registers every family
-from .attention import CONFIG_ATTR, restore
-from .config import DivisionConfig
-from .patching import (PatchState, layer_names, patch_causal_lm_loss, patch_checkpointing, patch_root, restore_forward,
-                       restore_loss_functions, restore_rotary, unwrap)
-from .registry import fallback, family, supported_model_types
+from hf_division.patching.attention import CONFIG_ATTR, restore
+from hf_division.config import DivisionConfig
+from hf_division.patching.primitives import (
+    PatchState, layer_names, patch_causal_lm_loss, patch_checkpointing, patch_root, restore_forward,
+    restore_loss_functions, restore_rotary, unwrap,
+)
+from hf_division.registry import fallback, family, supported_model_types
 
 __all__ = ["apply_division", "remove_division", "restored_division", "division_config_of", "patched_modules",
            "supported_model_types", "unwrap", "patched_again"]
 
-#: instance attribute of the unwrapped model holding its :class:`~hf_division.patching.PatchState`
+#: instance attribute of the unwrapped model holding its :class:`~hf_division.patching.primitives.PatchState`
 STATE_ATTR = "_division_state"
 #: instance hooks that make ``copy.deepcopy`` and pickle copy the model unpatched, then patch the copy
 COPY_HOOKS = ("__deepcopy__", "__reduce_ex__")

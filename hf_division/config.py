@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from .registry import family_defaults
+from hf_division.registry import family_defaults
 
 #: Kinds of saved activations that get their own precision (docs/DESIGN.md, "Policy").
 KINDS = ("linear", "attention", "activation", "norm")
@@ -64,7 +64,7 @@ class DivisionConfig:
       the next layers, are recomputed from the same copy.
 
     ``module_bits`` overrides these per module (e.g. as assigned by
-    :func:`hf_division.auto_precision.auto_precision`): a JSON object, a path to a JSON file, or
+    :func:`hf_division.analysis.auto_precision.auto_precision`): a JSON object, a path to a JSON file, or
     (in Python) a dict, mapping a module name (as in ``model.named_modules()`` of the unwrapped
     ``PreTrainedModel``) to bits for every kind, or to ``{kind: bits}``. A name also covers the
     modules below it; the longest name that sets a kind wins. Overrides are taken as given for
@@ -221,7 +221,7 @@ class DivisionConfig:
         return out
 
     def compressor_args(self, kind: str) -> dict:
-        """Keyword arguments of :func:`hf_division.compressor.compress` for a tensor of ``kind``."""
+        """Keyword arguments of :func:`hf_division.compress.pipeline.compress` for a tensor of ``kind``."""
         return dict(
             bits=self.bits(kind),
             block_size=self.kind_block_size(kind),

@@ -4,14 +4,16 @@ import functools
 from torch import nn
 from transformers.activations import ACT2CLS
 
-from hf_division.patching import patch_gated_mlp, patch_modules, patch_rotary, patch_saved, use_attention_interface
+from hf_division.patching.primitives import (
+    patch_gated_mlp, patch_modules, patch_rotary, patch_saved, use_attention_interface,
+)
 
 #: activation modules Transformers builds from ``config.hidden_act``
 ACTIVATIONS = tuple({cls if isinstance(cls, type) else cls[0] for cls in ACT2CLS.values()})
 
 #: Pretrained decoder LLMs need more bits for what feeds the attention recomputation and the MLP
 #: activation: measured on real SmolLM2-135M (docs/ARCHITECTURES.md, "Real pretrained decoder weights"; command:
-#: ``python -m hf_division.suites family --smollm2 ...``). Random-init models cannot show it, so the
+#: ``python -m hf_division.bench family --smollm2 ...``). Random-init models cannot show it, so the
 #: other decoder families take the measured Llama setting by analogy. T5 too: it does not scale q.k
 #: by 1/sqrt(d), and gated-GELU T5 (v1.1, Flan) needed 8 bits there as well.
 DECODER_DEFAULTS = {"attention_bits": 8, "activation_bits": 8}
@@ -56,7 +58,7 @@ def with_patches(base, *pairs):
 def gated_decoder_patcher(norm_type, mlp_type, up_first=False, attention_type=()):
     """Patcher for Llama-style decoders: ``norm_type`` (RMSNorm variants), gated ``mlp_type`` and
     ``attention_type``, whose modeling file's rotary embedding runs as one native pass each way in
-    training (:func:`~hf_division.patching.patch_rotary`)."""
+    training (:func:`~hf_division.patching.primitives.patch_rotary`)."""
 
     return with_patches(encoder_patcher(norm_types=(nn.LayerNorm, norm_type)),
                         (mlp_type, functools.partial(patch_gated_mlp, up_first=up_first)),
@@ -68,7 +70,7 @@ def moe_patcher(norm_type, mlp_type, experts_type, router_type, attention_type=(
     MLP is a router plus experts stored as 3-D parameters. The experts index their weights and
     gather their tokens instead of calling ``nn.Linear``, and Transformers dispatches them to one
     of several kernels (``experts_implementation``), so what they save is caught where autograd
-    saves it (:func:`~hf_division.patching.patch_saved`), kernel-agnostic. Their gate/up/product
+    saves it (:func:`~hf_division.patching.primitives.patch_saved`), kernel-agnostic. Their gate/up/product
     tensors take the gated-MLP policy (``activation``); the router's input is a linear input."""
 
     return with_patches(gated_decoder_patcher(norm_type, mlp_type, attention_type=attention_type),

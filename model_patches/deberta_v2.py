@@ -7,7 +7,7 @@ its ``T x T`` scores from content (q.k) and, with ``relative_attention``, conten
 (c2p: q against the projected relative embeddings) and position-to-content (p2c: k against them)
 terms, gathered by relative distance. Unpatched it keeps q, k, v, the repeated position
 projections, the gather indices, the softmax output, its dropout mask and the dropped
-probabilities. Here it runs through :class:`~hf_division.ops.AttentionFn`: q, k, v kept
+probabilities. Here it runs through :class:`~hf_division.autograd.ops.AttentionFn`: q, k, v kept
 compressed, the dropout mask as bits, the scores recomputed in backward. The position
 projections (``(heads, 2 * span, head_dim)``, independent of batch and sequence length) are the
 differentiated ``extra`` inputs, kept as they are and once per layer, not repeated per sequence;
@@ -24,9 +24,9 @@ from torch import nn
 from transformers.models.deberta_v2.modeling_deberta_v2 import (DisentangledSelfAttention, build_relative_position,
                                                                 build_rpos, scaled_size_sqrt)
 
-from hf_division.accounting import account_tensors
-from hf_division.ops import AttentionFn
-from hf_division.patching import config_for, in_training, wrap_forward
+from hf_division.autograd.accounting import account_tensors
+from hf_division.autograd.ops import AttentionFn
+from hf_division.patching.primitives import config_for, in_training, wrap_forward
 from hf_division.registry import register
 
 from .common import ENCODER_DEFAULTS, encoder_patcher, with_patches

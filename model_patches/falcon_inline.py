@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.falcon.modeling_falcon import FalconAttention, apply_rotary_pos_emb
 
-from hf_division.accounting import account_tensors
-from hf_division.ops import AttentionFn
-from hf_division.patching import config_for, in_training, patch_modules, wrap_forward
-from hf_division.quant import pack_mask, unpack_mask
+from hf_division.autograd.accounting import account_tensors
+from hf_division.autograd.ops import AttentionFn
+from hf_division.patching.primitives import config_for, in_training, patch_modules, wrap_forward
+from hf_division.quant.packing import pack_mask, unpack_mask
 
 from .common import ACTIVATIONS
 

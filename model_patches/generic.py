@@ -6,7 +6,7 @@ contains "Norm"), gated MLPs (``gate_proj``/``up_proj``/``down_proj`` + ``act_fn
 it. Token axis: the second-to-last dim, as for every patcher.
 
 What those cannot reach keeps its saved tensors compressed where autograd saves them
-(:func:`~hf_division.patching.patch_saved`): attention modules of a model that computes attention
+(:func:`~hf_division.patching.primitives.patch_saved`): attention modules of a model that computes attention
 inline (DeBERTa; Falcon before Transformers 5.25), mixture-of-experts blocks (experts held as 3-D
 parameters), MLPs that are not the standard gated one (ModernBERT's fused ``Wi``), and modules that run a convolution
 front inline (Whisper's encoder). Dedicated patchers do better where they know the op (docs/ARCHITECTURES.md,
@@ -17,7 +17,7 @@ import sys
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from hf_division.patching import patch_gated_mlp, patch_modules, patch_saved, use_attention_interface
+from hf_division.patching.primitives import patch_gated_mlp, patch_modules, patch_saved, use_attention_interface
 from hf_division.registry import register_fallback
 
 from .common import ACTIVATIONS

@@ -7,7 +7,7 @@ halves are kept compressed once and the product derived from them, as for Llama'
 """
 from transformers.models.modernbert.modeling_modernbert import ModernBertMLP
 
-from hf_division.patching import config_for, gated_product, in_training, unpatched_forward, wrap_forward
+from hf_division.patching.primitives import config_for, gated_product, in_training, unpatched_forward, wrap_forward
 from hf_division.registry import register
 
 from .common import ENCODER_DEFAULTS, encoder_patcher, with_patches

@@ -1,6 +1,6 @@
 """OPT: pre-LN decoder, ReLU MLP. Its hidden dropout is functional (``F.dropout``): the root
 patch routes every ``F.dropout`` of a training forward to bit-packed masks, so those masks are
-stored as bits like ``nn.Dropout``'s (``hf_division.patching.patch_root``)."""
+stored as bits like ``nn.Dropout``'s (``hf_division.patching.primitives.patch_root``)."""
 from hf_division.registry import register
 
 from .common import DECODER_DEFAULTS, encoder_patcher

@@ -12,7 +12,7 @@ The gated feed-forward differs from Llama's only in names and in a dropout betwe
 import torch
 from transformers.models.t5.modeling_t5 import T5DenseGatedActDense, T5LayerNorm
 
-from hf_division.patching import config_for, gated_product, in_training, unpatched_forward, wrap_forward
+from hf_division.patching.primitives import config_for, gated_product, in_training, unpatched_forward, wrap_forward
 from hf_division.registry import register
 
 from .common import DECODER_DEFAULTS, encoder_patcher, with_patches

@@ -7,7 +7,7 @@ Nothing but the shared encoder wiring is needed. Two things were measured to mat
   masked image modeling, the mask-token rows are several times smaller than the patch rows.
   Compressed on the patches' ranges they lost most of their value
   (docs/ARCHITECTURES.md, "ViT"). The norm inputs are therefore compressed per-token normalized
-  (``DivisionConfig.norm_row_scale``, hf_division/store.py).
+  (``DivisionConfig.norm_row_scale``, hf_division/autograd/store.py).
 * The patch projection (``Conv2d``) keeps its input, the caller's ``pixel_values``, uncompressed:
   the caller holds that tensor through the step anyway, so a compressed copy would add memory.
 """

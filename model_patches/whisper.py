@@ -5,14 +5,14 @@ functional GELU).
 The front runs inline in the encoder's forward, outside any module the shared wiring patches, and
 its four saved tensors (each conv output and GELU output, at up to twice the encoder's token
 count) weigh as much as two encoder layers. The encoder's forward therefore keeps what autograd
-saves compressed (:func:`~hf_division.patching.patch_saved`); its layers keep their own ops. The
+saves compressed (:func:`~hf_division.patching.primitives.patch_saved`); its layers keep their own ops. The
 first conv's input is the caller's ``input_features`` and stays as it is.
 """
 import functools
 
 from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
-from hf_division.patching import patch_saved
+from hf_division.patching.primitives import patch_saved
 from hf_division.registry import register
 
 from .common import encoder_patcher, with_patches

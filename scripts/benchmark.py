@@ -4,7 +4,7 @@ python scripts/benchmark.py [--models minilm bert-base-4l llama-4l] [--sizes 8x1
     [--methods none division ...] [--rounds 5] [--threads 2] [--data ../shared/data/glue/SST-2/dev.tsv]
     [--device cpu|cuda] [--dtype fp32|bf16] [--fit-mib N] [--out docs/results] [--quick]
 
-Models (``hf_division.zoo``): real MiniLM-L6 (``minilm``), a BERT-base-shaped encoder
+Models (``hf_division.bench.zoo``): real MiniLM-L6 (``minilm``), a BERT-base-shaped encoder
 (``bert-base-4l``: hidden 768, 12 heads, 4 layers, random init) and a Llama-shaped decoder
 (``llama-4l``: hidden 576, 9 heads / 3 KV heads, intermediate 1536, 4 layers, random init), all as
 sequence classifiers on real SST-2 text (tokenized with MiniLM's tokenizer) so that the loss head
@@ -12,7 +12,7 @@ is the same small one everywhere.
 
 Methods (``METHODS``): ``none``; ``division`` (default DivisionConfig); ``division-aggr``
 (the most aggressive DIVISION setting kept: no LFC, and the fewest bits (2, 4 or 8) per layer and
-kind whose predicted gradient cosine is >= 0.95, from ``hf_division.auto_precision`` with one
+kind whose predicted gradient cosine is >= 0.95, from ``hf_division.analysis.auto_precision`` with one
 2-bit probe per unit, calibrated per model on other SST-2 rows, ``--calib`` tokens); ``actnn``
 (ActNN's own scope: Linear inputs at 2 bits, dropout masks as bits); ``actnn-all`` (every kind at 2 bits);
 ``ckpt`` (Transformers' ``activation_checkpointing_enable()``, non-reentrant); ``save_on_cpu``
@@ -21,15 +21,15 @@ nothing, the row shows what its hooks cost); ``division+ckpt``.
 
 Per model, method and (batch, seq):
 
-* ``held``: exact bytes held for backward after one training forward (``hf_division.measure``:
+* ``held``: exact bytes held for backward after one training forward (``hf_division.analysis.measure``:
   distinct storages reached from saved-tensor hooks, the hf-division store, and what checkpointing
   keeps outside hooks). ``offloaded``: bytes save_on_cpu put in host memory (CUDA only; on CPU
   host memory is the device memory, so they count as ``held``).
 * ``peak``: peak memory of one training step (forward + backward) above the memory before it
-  (``hf_division.peak``), in a process per model and method (sizes in increasing order): CPU:
+  (``hf_division.bench.peak``), in a process per model and method (sizes in increasing order): CPU:
   process RSS high-water mark; CUDA: ``torch.cuda.max_memory_allocated``.
 * ``step``: median seconds of one training step, all methods interleaved round-robin in one
-  process (``hf_division.timing``), and its ratio to ``none``.
+  process (``hf_division.analysis.timing``), and its ratio to ``none``.
 * ``cosine``: cosine of the gradient of all parameters to ``none``'s (same seed, same dropout).
 
 Writes ``benchmark<tag>.json``/``.csv``, ``tables<tag>.md`` and the plots ``peak_vs_batch<tag>.png``,
@@ -53,13 +53,13 @@ import torch
 import transformers
 
 from hf_division import DivisionConfig, apply_division, remove_division
-from hf_division.auto_precision import auto_precision
-from hf_division.fidelity import cosine, flat_grad
-from hf_division.measure import account
-from hf_division.peak import forked, run_clean, step_peak
-from hf_division.textdata import BUNDLED_SST2_DEV, classification_batch, sst2_rows
-from hf_division.timing import interleaved_medians, timed
-from hf_division.zoo import DESCRIPTION, build_classifier, minilm_tokenizer
+from hf_division.analysis.auto_precision import auto_precision
+from hf_division.analysis.fidelity import cosine, flat_grad
+from hf_division.analysis.measure import account
+from hf_division.bench.peak import forked, run_clean, step_peak
+from hf_division.bench.textdata import BUNDLED_SST2_DEV, classification_batch, sst2_rows
+from hf_division.analysis.timing import interleaved_medians, timed
+from hf_division.bench.zoo import DESCRIPTION, build_classifier, minilm_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLUE_SST2_DEV = os.path.join(ROOT, "..", "shared", "data", "glue", "SST-2", "dev.tsv")
@@ -218,7 +218,7 @@ def peak_launcher(job: dict) -> dict:
 
 
 def run_peak(job: dict) -> dict:
-    """:func:`peak_launcher` in a fresh interpreter (``hf_division.peak.run_clean``)."""
+    """:func:`peak_launcher` in a fresh interpreter (``hf_division.bench.peak.run_clean``)."""
     return run_clean([os.path.abspath(__file__), "--peak-child", json.dumps(job)], f"peak subprocess for {job['model']}")
 
 

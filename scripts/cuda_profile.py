@@ -2,7 +2,7 @@
 
 OUT=dir python scripts/cuda_profile.py      (PROBE_DEV=cpu: a tiny model on the CPU, to check the script)
 
-SmolLM2-135M's shape (random init, ``hf_division.suites.cuda.build``), 8 x 1024 random tokens,
+SmolLM2-135M's shape (random init, ``hf_division.bench.suites.cuda.build``), 8 x 1024 random tokens,
 bf16 autocast. Prints and writes ``$OUT/probe.json``: median warm step seconds of ``none`` and
 ``division`` (eager compressor), the kernel launches and aten calls of one division step (torch
 profiler; the tables in ``$OUT/profile.txt``), and the compiled compressor's warm-up and step
@@ -10,10 +10,10 @@ time with token chunks of 2^20 (the default) and 2^24 elements. docs/RESULTS.md,
 """
 import json, os, sys, time
 import torch
-from hf_division import fused
-from hf_division.suites.cuda import build, set_arm, step_fn
-from hf_division.textdata import random_tokens
-from hf_division.timing import timed
+from hf_division.kernels import compiled as fused
+from hf_division.bench.suites.cuda import build, set_arm, step_fn
+from hf_division.bench.textdata import random_tokens
+from hf_division.analysis.timing import timed
 import statistics
 
 out = os.environ["OUT"]

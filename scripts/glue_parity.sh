@@ -14,7 +14,7 @@ GLUE=${1:-../shared/data/glue}
 OUT=${2:-out/parity}
 SEEDS=${3:-"0 1 2"}
 PY=${PYTHON:-python}
-MODEL=$($PY -c "from hf_division.zoo import minilm_path; print(minilm_path())")
+MODEL=$($PY -c "from hf_division.bench.zoo import minilm_path; print(minilm_path())")
 COMMON=(--model_name_or_path "$MODEL" --glue_dir "$GLUE" --do_train --do_eval --max_seq_length 128
         --pad_to_max_length false --per_device_train_batch_size 32 --per_device_eval_batch_size 128
         --warmup_steps 0.1 --weight_decay 0.01 --eval_strategy no --save_strategy no --logging_steps 25

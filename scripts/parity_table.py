@@ -16,7 +16,7 @@ import os
 import re
 import statistics
 
-from hf_division.glue import main_metric
+from hf_division.bench.glue import main_metric
 
 PAIRS = (("baseline", "division"), ("lora-baseline", "lora-division"))
 

@@ -6,7 +6,7 @@
     python scripts/run_glue.py args.json          # all arguments from one JSON file
 
 Data: ``--glue_dir DIR --task_name T`` reads the original GLUE TSV layout (``DIR/<TASK>/{train,dev}.tsv``,
-see ``hf_division.glue``); or ``--train_file/--validation_file/--test_file`` (CSV or JSON; a ``label``
+see ``hf_division.bench.glue``); or ``--train_file/--validation_file/--test_file`` (CSV or JSON; a ``label``
 column and one or two text columns). ``--division`` and ``--division_<field>`` set the DivisionConfig;
 ``--use_lora`` (``--lora_r --lora_alpha --lora_dropout --lora_target_modules --use_dora``) trains a PEFT
 adapter. At the end the script reports the metrics, the activation bytes held for backward on one
@@ -24,18 +24,12 @@ import numpy as np
 import transformers
 from transformers import AutoTokenizer, set_seed
 
-from hf_division.accelerate import keep_process_group_until_exit
-from hf_division.glue import (
-    activation_report,
-    build_model,
-    load_raw,
-    metrics_for,
-    parse_args,
-    summarize,
-    tokenize_splits,
+from hf_division.integrations.accelerate import keep_process_group_until_exit
+from hf_division.bench.glue import (
+    activation_report, build_model, load_raw, metrics_for, parse_args, summarize, tokenize_splits,
 )
-from hf_division.peak import process_peak_bytes
-from hf_division.trainer import Trainer
+from hf_division.bench.peak import process_peak_bytes
+from hf_division.integrations.trainer import Trainer
 
 
 def train(trainer, data: dict, collator, training_args, report: dict) -> dict:
@@ -107,7 +101,7 @@ def main(argv=None) -> dict:
         with open(os.path.join(training_args.output_dir, "division_report.json"), "w") as f:
             json.dump(report, f, indent=2)
         summarize(report)
-    keep_process_group_until_exit()  # a no-op in one process (hf_division.accelerate: a teardown that hung)
+    keep_process_group_until_exit()  # a no-op in one process (hf_division.integrations.accelerate: a teardown that hung)
     return report
 
 

@@ -7,7 +7,7 @@
         --task_name rte --division --mixed_precision bf16 --gradient_accumulation_steps 2 --output_dir out/acc-rte
 
 ``--division`` and ``--division_<field>`` set the DivisionConfig (as for the Trainer). The model
-defaults to the bundled MiniLM-L6 (``hf_division.zoo.minilm_path()``). Writes
+defaults to the bundled MiniLM-L6 (``hf_division.bench.zoo.minilm_path()``). Writes
 ``OUTPUT_DIR/results.json``: the per-step training loss (mean over all processes and micro-batches
 of the step), the dev metrics, and the run's settings.
 """
@@ -24,9 +24,11 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, get_scheduler
 
-from hf_division.accelerate import division_enabled, keep_process_group_until_exit, prepare_division, reseed_for_step
-from hf_division.glue import compute_metrics, parse_loop_args, tokenized_examples
-from hf_division.zoo import minilm_path
+from hf_division.integrations.accelerate import (
+    division_enabled, keep_process_group_until_exit, prepare_division, reseed_for_step,
+)
+from hf_division.bench.glue import compute_metrics, parse_loop_args, tokenized_examples
+from hf_division.bench.zoo import minilm_path
 
 
 def wrapper_name(model) -> str:
@@ -118,7 +120,7 @@ def main(argv=None) -> dict:
         with open(os.path.join(args.output_dir, "results.json"), "w") as f:
             json.dump(results, f, indent=2)
         accelerator.print(f"done: {len(losses)} steps, final loss {losses[-1]:.4f}, dev {metrics}")
-    keep_process_group_until_exit()  # the teardown that once hung (hf_division.accelerate)
+    keep_process_group_until_exit()  # the teardown that once hung (hf_division.integrations.accelerate)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return results

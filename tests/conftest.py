@@ -3,8 +3,8 @@ import os
 import pytest
 import torch
 
-from hf_division import tiny
-from hf_division.tiny import case, pixel_batch, tiny_batch, tiny_config  # noqa: F401  (the tests' shared helpers)
+from hf_division.bench import tiny_models as tiny
+from hf_division.bench.tiny_models import case, pixel_batch, tiny_batch, tiny_config
 
 # The README's test command runs one pytest-xdist worker per core: each worker gets its share of
 # the cores, so workers do not oversubscribe them (a lone run keeps the 2 threads it always had)
@@ -15,7 +15,7 @@ ENCODER_TYPES = ["bert", "roberta", "xlm-roberta", "electra", "distilbert"]
 
 
 def tiny_model(model_type: str, attn: str = "eager", seed: int = 0, **kw):
-    """:func:`hf_division.tiny.tiny_model`; skips the test where Transformers lacks ``attn``."""
+    """:func:`hf_division.bench.tiny_models.tiny_model`; skips the test where Transformers lacks ``attn``."""
     try:
         return tiny.tiny_model(model_type, attn, seed, **kw)
     except ValueError as err:

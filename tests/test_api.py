@@ -4,13 +4,15 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_division as hd
+from hf_division import api
+from hf_division.autograd import store
 from hf_division import measure_activation_memory
-from hf_division.accounting import recorded, start_accounting, stop_accounting
+from hf_division.autograd.accounting import recorded, start_accounting, stop_accounting
 from hf_division.api import division_config_of
 from hf_division.registry import Family, family, family_defaults
-from hf_division.store import keep, lookup
+from hf_division.autograd.store import keep, lookup
 from hf_division.config import DivisionConfig
-from hf_division.fidelity import flat_grad, gradient_cosine
+from hf_division.analysis.fidelity import flat_grad, gradient_cosine
 
 from conftest import tiny_batch, tiny_model
 
@@ -57,7 +59,7 @@ def test_failed_patch_leaves_nothing(monkeypatch):
         real.apply(model, state)  # patches every module, then fails
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(hd.api, "family", lambda model_type: Family(broken, real.defaults))
+    monkeypatch.setattr(api, "family", lambda model_type: Family(broken, real.defaults))
     model = tiny_model("bert")
     impl = model.config._attn_implementation
     with pytest.raises(RuntimeError):
@@ -87,7 +89,7 @@ def test_profiler_shows_one_compress_range_per_tensor_and_its_rebuild():
     """A tensor kept twice is compressed once (one range); rebuilding it is a range of its own."""
     from torch.profiler import profile
 
-    from hf_division.store import COMPRESS_LABEL, REBUILD_LABEL
+    from hf_division.autograd.store import COMPRESS_LABEL, REBUILD_LABEL
 
     cfg, x = DivisionConfig(), torch.randn(2, 64, 64)
     with profile() as prof:
@@ -116,7 +118,7 @@ def test_qkv_share_one_copy():
 
 
 def test_dropout_mask_is_bits():
-    from hf_division.dropout import DropoutFn
+    from hf_division.autograd.dropout import DropoutFn
 
     x = torch.randn(3, 50, 64, requires_grad=True)
     torch.manual_seed(0)
@@ -254,7 +256,7 @@ def test_bookkeeping_runs_outside_torch_function_modes():
     handler: under the patched forward's BitDropout mode each of its torch calls paid one."""
     from torch.overrides import TorchFunctionMode
 
-    from hf_division.store import bookkeeping
+    from hf_division.autograd.store import bookkeeping
 
     seen = []
 
@@ -265,7 +267,7 @@ def test_bookkeeping_runs_outside_torch_function_modes():
 
     @bookkeeping
     def work(x):
-        return hd.store.pack(x * 2, "linear", hd.DivisionConfig(min_numel=0).resolved("bert"))
+        return store.pack(x * 2, "linear", hd.DivisionConfig(min_numel=0).resolved("bert"))
 
     x = torch.randn(2, 16, 8)
     with Count():

@@ -6,11 +6,14 @@ import pytest
 import torch
 
 import hf_division as hd
-from hf_division.auto_precision import (Sensitivity, Unit, assign, assign_bits, assign_for_cosine, auto_precision,
-                                       layer_of, measure_sensitivity, model_error)
+from hf_division import api
+from hf_division.analysis.auto_precision import (
+    Sensitivity, Unit, assign, assign_bits, assign_for_cosine, auto_precision, layer_of, measure_sensitivity,
+    model_error,
+)
 from hf_division.config import KINDS, DivisionConfig
-from hf_division.fidelity import gradient_cosine
-from hf_division.measure import held_bytes
+from hf_division.analysis.fidelity import gradient_cosine
+from hf_division.analysis.measure import held_bytes
 
 from conftest import tiny_batch, tiny_model
 
@@ -54,7 +57,7 @@ def test_overrides_honoured_in_bytes(batch):
 def test_overrides_from_file_and_argument_parser(tmp_path):
     from transformers import HfArgumentParser
 
-    from hf_division.trainer import TrainingArguments
+    from hf_division.integrations.trainer import TrainingArguments
 
     path = tmp_path / "bits.json"
     path.write_text(json.dumps({"bert.encoder.layer.1": {"attention": 8}}))
@@ -186,7 +189,7 @@ def test_auto_beats_uniform_at_equal_bytes(method):
     assert {u.name for u in sens.units} >= {"bert.encoder.layer.0", "bert.encoder.layer.1"}
     result = assign(sens, 2.0)
     assert result.average_bits <= 2.0
-    assert "forward" not in model.__dict__ and hd.api.division_config_of(model) is None  # left as found
+    assert "forward" not in model.__dict__ and api.division_config_of(model) is None  # left as found
     uniform = DivisionConfig(method=method, **{f"{k}_bits": 2 for k in KINDS})
     # equal bytes: never more than every unit at the budget's width
     assert _held(model, evaluate, result.config) <= _held(model, evaluate, uniform)

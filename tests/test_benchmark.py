@@ -1,4 +1,4 @@
-"""The benchmark's accounting (``hf_division.measure.account``) and ``scripts/benchmark.py --quick`` end to end."""
+"""The benchmark's accounting (``hf_division.analysis.measure.account``) and ``scripts/benchmark.py --quick`` end to end."""
 import csv
 import json
 import os
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import hf_division as hd
-from hf_division.measure import account, held_bytes
-from hf_division.zoo import build_classifier
+from hf_division.analysis.measure import account, held_bytes
+from hf_division.bench.zoo import build_classifier
 
 from conftest import tiny_batch, tiny_model
 

@@ -5,8 +5,8 @@ import torch
 from transformers import AutoConfig, AutoModel
 
 import hf_division as hd
-from hf_division.fidelity import gradient_cosine
-from hf_division.tiny import TEXT_TOWER, VIT, pixel_batch, token_batch
+from hf_division.analysis.fidelity import gradient_cosine
+from hf_division.bench.tiny_models import TEXT_TOWER, VIT, pixel_batch, token_batch
 
 
 def _towers(model_type: str, impl: str):

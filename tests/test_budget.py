@@ -1,12 +1,12 @@
-"""Budget mode (hf_division.budget): every option measured, the fastest that fits chosen, the
+"""Budget mode (hf_division.analysis.budget): every option measured, the fastest that fits chosen, the
 model left as it was."""
 import pytest
 import torch
 
 import hf_division as hd
 from hf_division.api import division_config_of
-from hf_division.budget import Option, candidates, suggest
-from hf_division.measure import account
+from hf_division.analysis.budget import Option, candidates, suggest
+from hf_division.analysis.measure import account
 
 from conftest import tiny_batch, tiny_model
 

@@ -5,7 +5,7 @@ from datasets import Dataset
 
 import hf_division as hd
 from hf_division import Trainer, TrainingArguments
-from hf_division.fidelity import flat_grad
+from hf_division.analysis.fidelity import flat_grad
 
 from conftest import tiny_batch, tiny_model
 
@@ -46,7 +46,7 @@ def test_eager_float_mask_with_padding_stays_exact():
     # BERT's eager attention passes a float additive mask positionally to the checkpointed layer:
     # compressing it lost its large negative entries and gave NaN gradients
     import hf_division as hd
-    from hf_division.fidelity import gradient_cosine
+    from hf_division.analysis.fidelity import gradient_cosine
 
     from conftest import tiny_batch, tiny_model
 

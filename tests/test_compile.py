@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import hf_division as hd
-from hf_division.fidelity import flat_grad
+from hf_division.autograd import store
+from hf_division.analysis.fidelity import flat_grad
 
 from conftest import tiny_batch, tiny_model
 
@@ -38,8 +39,8 @@ def test_compiled_model_with_division(model_type, wrap_first, monkeypatch):
     torch._dynamo.reset()
     ref, _ = _step(torch.compile(model, backend="aot_eager"), model, batch)  # compiled, no division
     packed = []
-    pack = hd.store.pack
-    monkeypatch.setattr(hd.store, "pack", lambda t, kind, config: packed.append(kind) or pack(t, kind, config))
+    pack = store.pack
+    monkeypatch.setattr(store, "pack", lambda t, kind, config: packed.append(kind) or pack(t, kind, config))
     torch._dynamo.reset()
     if wrap_first:  # apply_division accepts the compiled wrapper (it unwraps _orig_mod)
         compiled = torch.compile(model, backend="aot_eager")
@@ -70,8 +71,8 @@ def test_compiled_inductor(monkeypatch):
     compiled = torch.compile(model)
     hd.apply_division(compiled)  # the compiled wrapper: apply_division unwraps ``_orig_mod``
     packed = []
-    pack = hd.store.pack
-    monkeypatch.setattr(hd.store, "pack", lambda t, kind, config: packed.append(kind) or pack(t, kind, config))
+    pack = store.pack
+    monkeypatch.setattr(store, "pack", lambda t, kind, config: packed.append(kind) or pack(t, kind, config))
     logits, grad = _step(compiled, model, batch)
     assert {"linear", "attention"} <= set(packed)  # division acted inside the compiled model
     assert torch.allclose(logits, ref, atol=1e-5)  # inductor may order float ops differently from eager

@@ -3,11 +3,14 @@ import math
 import pytest
 import torch
 
-from hf_division import native
-from hf_division.compressor import compress, decompress, set_fused
-from hf_division.fused import compiled
-from hf_division.quant import (code_layout, encode_groups, hash_uniform, noise_words, pack_bits, pack_mask, pack_tokens,
-                               uniform, unpack_bits, unpack_mask, unpack_tokens)
+from hf_division.kernels import native
+from hf_division.compress.pipeline import compress, decompress, set_fused
+from hf_division.kernels.compiled import compiled
+from hf_division.quant.packing import (
+    code_layout, pack_bits, pack_mask, pack_tokens, unpack_bits, unpack_mask, unpack_tokens,
+)
+from hf_division.quant.codecs import encode_groups
+from hf_division.quant.rounding import hash_uniform, noise_words, uniform
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
@@ -195,7 +198,7 @@ def test_nonfinite_propagates():
 
 @pytest.fixture
 def torch_kernels():
-    """The compressor's torch kernels, not the native CPU ones (hf_division.native)."""
+    """The compressor's torch kernels, not the native CPU ones (hf_division.kernels.native)."""
     former = native.set_native(False)
     yield
     native.set_native(former)
@@ -304,7 +307,7 @@ def test_each_kernel_variant_compiles_on_its_own_code_object():
 def test_exact_tokens_kept_exact(ratio):
     """``exact_tokens=k``: the first k tokens of every sequence come back bit-exact (with or without
     outlier tokens split off too), the input is not modified, the rest is compressed as before."""
-    from hf_division.compressor import compress, decompress
+    from hf_division.compress.pipeline import compress, decompress
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 40, 4, 16, generator=g).transpose(1, 2)  # (B, H, T, d) viewing (B, T, H, d)
     x[1, :, 7] *= 100  # an outlier token

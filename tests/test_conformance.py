@@ -2,7 +2,7 @@
 import pytest
 import torch
 import hf_division as hd
-from hf_division.fidelity import flat_grad, gradient_cosine
+from hf_division.analysis.fidelity import flat_grad, gradient_cosine
 from model_patches import falcon
 
 from conftest import case, tiny_batch, tiny_model

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import hf_division as hd
-from hf_division.compressor import compress, decompress
-from hf_division.quant import unpack_bits
-from hf_division.fidelity import cosine, flat_grad
-from hf_division.fused import set_fused
-from hf_division.measure import held_bytes
-from hf_division.suites import cuda as cuda_suite
+from hf_division.compress.pipeline import compress, decompress
+from hf_division.quant.packing import unpack_bits
+from hf_division.analysis.fidelity import cosine, flat_grad
+from hf_division.kernels.compiled import set_fused
+from hf_division.analysis.measure import held_bytes
+from hf_division.bench.suites import cuda as cuda_suite
 
 #: HF_DIVISION_TEST_DEVICE=cpu runs these on the CPU (to check the tests themselves)
 DEV = os.environ.get("HF_DIVISION_TEST_DEVICE", "cuda")

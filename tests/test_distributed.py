@@ -125,7 +125,7 @@ def make_tiny_dir(path) -> str:
     real MiniLM tokenizer, saved like a hub model."""
     from transformers import AutoTokenizer, BertConfig, BertModel
 
-    from hf_division.zoo import minilm_path
+    from hf_division.bench.zoo import minilm_path
 
     tok = AutoTokenizer.from_pretrained(minilm_path())
     torch.manual_seed(0)
@@ -195,7 +195,7 @@ def test_accelerate_loop_two_processes(tiny_dir, tmp_path):
 
 
 def test_accelerate_loop_single_process_fp32(tiny_dir, tmp_path):
-    from hf_division.glue import parse_loop_args
+    from hf_division.bench.glue import parse_loop_args
 
     run_script("train_accelerate.py", ["--glue_dir", GLUE, "--task_name", "mrpc", "--model_name_or_path", tiny_dir,
                                        "--division", "--max_steps", "2", "--per_device_train_batch_size", "4",
@@ -221,7 +221,7 @@ def test_process_group_kept_from_python_until_released(monkeypatch):
     ``destroy_process_group``, with one release registered for exit; nothing without a group."""
     import torch.distributed as dist
 
-    from hf_division import accelerate as acc
+    from hf_division.integrations import accelerate as acc
 
     registered = []
     monkeypatch.setattr(acc.atexit, "register", registered.append)
@@ -248,14 +248,14 @@ def test_prepare_division_after_prepare_and_on_ddp(monkeypatch):
     from accelerate import Accelerator
     from torch.nn.parallel import DistributedDataParallel
 
-    import hf_division as hd
-    from hf_division.accelerate import division_enabled, prepare_division
+    from hf_division.autograd import store
+    from hf_division.integrations.accelerate import division_enabled, prepare_division
 
     from conftest import tiny_batch, tiny_model
 
     packed, dtypes = [], []
-    pack = hd.store.pack
-    monkeypatch.setattr(hd.store, "pack", lambda t, kind, config: packed.append(kind) or pack(t, kind, config))
+    pack = store.pack
+    monkeypatch.setattr(store, "pack", lambda t, kind, config: packed.append(kind) or pack(t, kind, config))
     try:
         accelerator = Accelerator(mixed_precision="bf16", cpu=True)
         model = accelerator.prepare(tiny_model("bert", "sdpa").train())
@@ -322,6 +322,7 @@ def _fsdp_train(model_dir: str, seed=0, division=True, world=1, rank=0, shard=No
     from transformers import AutoModelForSequenceClassification
 
     import hf_division as hd
+    from hf_division.autograd import store
 
     torch.manual_seed(seed)
     model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=2).train()
@@ -330,23 +331,23 @@ def _fsdp_train(model_dir: str, seed=0, division=True, world=1, rank=0, shard=No
     if shard is not None:
         model = shard(model) or model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses, pack, packed = [], hd.store.pack, []
-    hd.store.pack = lambda t, kind, config: packed.append(kind) or pack(t, kind, config)
+    losses, pack, packed = [], store.pack, []
+    store.pack = lambda t, kind, config: packed.append(kind) or pack(t, kind, config)
     try:
         for step, batch in enumerate(_fsdp_batches(seed, world, rank)):
             losses.append(_fsdp_step(model, opt, batch, seed, step, world, rank))
     finally:
-        hd.store.pack = pack
+        store.pack = pack
     return losses, len(packed)
 
 
 def _fsdp_step(model, opt, batch, seed, step, world, rank) -> float:
     import torch.distributed as dist
 
-    import hf_division as hd
+    from hf_division.compress import noise
 
     ids, labels = batch
-    hd.noise.reseed(hd.noise.step_seed(seed, step, rank))
+    noise.reseed(noise.step_seed(seed, step, rank))
     loss = model(input_ids=ids, labels=labels).loss
     loss.backward()
     opt.step()
@@ -363,7 +364,7 @@ def _fsdp_worker(model_dir: str, out: str, seed: int, division: bool) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 
-    from hf_division.accelerate import keep_process_group_until_exit
+    from hf_division.integrations.accelerate import keep_process_group_until_exit
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

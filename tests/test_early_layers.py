@@ -8,7 +8,7 @@ from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM
 import hf_division as hd
 from hf_division.api import division_config_of
 from hf_division.config import EARLY_ACTIVATION_BITS, DivisionConfig
-from hf_division.measure import held_bytes
+from hf_division.analysis.measure import held_bytes
 
 NAMES = [f"model.layers.{i}" for i in range(10)]
 

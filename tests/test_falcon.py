@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hf_division as hd
-from hf_division.fidelity import gradient_cosine
+from hf_division.analysis.fidelity import gradient_cosine
 
 from conftest import tiny_batch, tiny_model
 

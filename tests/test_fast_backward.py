@@ -4,15 +4,15 @@ import torch
 import torch.nn.functional as F
 
 import hf_division as hd
-from hf_division.ops import elementwise_grad, use_fast_sdpa_backward
-from hf_division.fidelity import flat_grad
-from hf_division.sdpa_backward import sdpa_grads
+from hf_division.autograd.ops import elementwise_grad, use_fast_sdpa_backward
+from hf_division.analysis.fidelity import flat_grad
+from hf_division.autograd.sdpa_backward import sdpa_grads
 
 from conftest import tiny_batch, tiny_model
 
 
 def _set_blocks(monkeypatch, query_block: int, skip_block: int) -> None:
-    from hf_division import sdpa_backward
+    from hf_division.autograd import sdpa_backward
 
     monkeypatch.setattr(sdpa_backward, "QUERY_BLOCK", query_block)
     monkeypatch.setattr(sdpa_backward, "SKIP_BLOCK", skip_block)
@@ -59,7 +59,7 @@ def _mask(kind, tq=24, tk=24):
 @pytest.mark.parametrize("blocks", [(128, 32), (8, 8), (5, 5), (8, 4)])
 def test_matches_autograd_of_sdpa(mask, causal, gqa, tq, blocks, monkeypatch):
     """Every mask layout sdpa broadcasts, with grouped-query heads folded into taller matrices
-    (hf_division.sdpa_backward._fold_heads), queries shorter than keys, and the queries in one
+    (hf_division.autograd.sdpa_backward._fold_heads), queries shorter than keys, and the queries in one
     block or several (``QUERY_BLOCK``, ``SKIP_BLOCK``; causal blocks leave out their masked keys)."""
     if mask and causal:
         pytest.skip("sdpa takes a mask or is_causal")
@@ -78,7 +78,7 @@ def testquery_blocks_leave_out_the_keys_every_query_of_the_block_has_masked(monk
     """Which keys each block of queries computes: all of them, but for those that every query of
     the block (in every batch item and head) has masked: after the block under a causal mask,
     padding keys, and at least one key. Blocks that attend the same keys are joined."""
-    from hf_division.sdpa_backward import query_blocks
+    from hf_division.autograd.sdpa_backward import query_blocks
 
     _set_blocks(monkeypatch, 8, 8)
     causal = [(0, 8, 8), (8, 16, 16), (16, 24, 24)]
@@ -124,7 +124,7 @@ def test_dropout_keep_mask(gqa, query_block, monkeypatch):
 @pytest.mark.parametrize("model_type", ["bert", "llama"])
 @pytest.mark.parametrize("query_block", [128, 16])
 def test_attention_fn_fast_path_matches_recomputation(model_type, query_block, monkeypatch):
-    from hf_division import sdpa_backward
+    from hf_division.autograd import sdpa_backward
 
     _set_blocks(monkeypatch, query_block, min(query_block, 32))
     calls = []
@@ -172,7 +172,7 @@ def test_chunked_over_batch_matches_one_pass(monkeypatch, mask, gqa, dtype, skip
     mask and dropout bits must give the one-pass result (masks of batch 1 are broadcast), in
     the input dtype (float32 chunks are written by the products, others copied), in one block
     of queries or several."""
-    from hf_division import sdpa_backward
+    from hf_division.autograd import sdpa_backward
 
     _set_blocks(monkeypatch, 128 if skip_block == 32 else skip_block, skip_block)
 
@@ -190,10 +190,11 @@ def test_chunked_over_batch_matches_one_pass(monkeypatch, mask, gqa, dtype, skip
 
 @pytest.mark.parametrize("frozen_linears", [False, True])
 def test_layer_norm_direct_backward_is_the_recomputation_to_the_bit(frozen_linears, monkeypatch):
-    """nn.LayerNorm runs one normalization in backward (hf_division.layer_norm) where the generic
+    """nn.LayerNorm runs one normalization in backward (hf_division.autograd.layer_norm) where the generic
     path ran two; with the Linears frozen no later layer rebuilds its output and the backward
     normalizes on its own. The gradients equal the generic path's to the bit."""
-    from hf_division import layer_norm, patching
+    from hf_division.autograd import layer_norm
+    from hf_division.patching import primitives as patching
 
     batch = tiny_batch(pad_from=[64, 50, 64, 33])
     grads, calls = {}, []
@@ -214,14 +215,14 @@ def test_layer_norm_direct_backward_is_the_recomputation_to_the_bit(frozen_linea
 
 def test_norm_and_gated_mlp_run_once_in_backward_with_the_same_gradient(monkeypatch):
     """A norm with parameters on the generic path (RecomputeFn; Llama's RMSNorm switched to it
-    here, hf_division.rms_norm being tested in tests/test_rms_norm.py): the rebuild of its output
+    here, hf_division.autograd.rms_norm being tested in tests/test_rms_norm.py): the rebuild of its output
     for the next layer records the recomputation and the norm's backward reuses it; the gated
     MLP's product rebuild (with the fused kernel off, tested in tests/test_gated.py) leaves act(gate)
     and SiLU's gradient comes from silu_backward. Each runs
     once per backward where it ran twice, and the gradient is the same to the bit."""
     from transformers.models.llama import modeling_llama
 
-    from hf_division import gated, ops, rms_norm
+    from hf_division.autograd import gated_product as gated, ops, rms_norm
 
     calls = {"norm": 0, "silu": 0}
     norm, silu = modeling_llama.LlamaRMSNorm.forward, F.silu  # counted where they are looked up at call time

@@ -1,4 +1,4 @@
-"""The SiLU-gated product and its gradients computed from the compressed operands (hf_division.gated):
+"""The SiLU-gated product and its gradients computed from the compressed operands (hf_division.autograd.gated_product):
 the same values as rebuilding both tensors and running ATen's ops on them, and GatedFn's use of it."""
 import pytest
 import torch
@@ -7,8 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hf_division as hd
-from hf_division import compressor, gated, native, store
-from hf_division.fidelity import flat_grad
+from hf_division.compress import pipeline as compressor
+from hf_division.autograd import gated_product as gated, store
+from hf_division.kernels import native
+from hf_division.analysis.fidelity import flat_grad
 
 from conftest import tiny_batch, tiny_model
 

@@ -4,8 +4,8 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
 import hf_division as hd
-from hf_division import noise
-from hf_division.fidelity import gradient_cosine
+from hf_division.compress import noise
+from hf_division.analysis.fidelity import gradient_cosine
 
 from hf_division.registry import unregistered
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from hf_division.compressor import compress, decompress
+from hf_division.compress.pipeline import compress, decompress
 from hf_division.config import DivisionConfig
 
 

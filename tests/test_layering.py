@@ -1,6 +1,7 @@
 """The project's structure rules (docs/DESIGN.md, "Layering"), checked on the source with ``ast``:
-dependencies flow one way, no private name crosses a module, no ``sys.path`` edits or scripts
-loaded by path, short functions and modules, and a config that names no model type."""
+every module sits in one layer and imports only from its own layer and the ones below, no import
+cycle, no private name crosses a module, no ``sys.path`` edits or scripts loaded by path, short
+functions and modules, and a config that names no model type."""
 import ast
 import os
 
@@ -100,6 +101,61 @@ def _cycles(graph: dict) -> list:
     return found
 
 
+#: the layers, lowest first (docs/DESIGN.md, "Layering"): a module imports from its own layer and the
+#: layers before it, never from a later one. A module belongs to the layer of its longest prefix here.
+LAYERS = (
+    ("hf_division.config", "hf_division.registry"),  # the policy
+    ("hf_division.quant",),  # the math
+    ("hf_division.kernels",),  # how it runs
+    ("hf_division.compress",),  # the pipeline
+    ("hf_division.autograd",),  # what a step keeps for backward
+    ("hf_division.patching",),  # wiring into module instances
+    ("model_patches",),  # one module per family
+    ("hf_division.api",),  # apply_division / remove_division
+    ("hf_division.integrations",),  # Trainer, TRL, Accelerate, launcher, CLI
+    ("hf_division.analysis",),  # measuring what division does
+    ("hf_division.bench",),  # the measurement harness
+    ("hf_division",),  # the package's public names, each loaded on first use
+)
+
+
+def layer_of(module: str) -> int | None:
+    """Index in :data:`LAYERS` of ``module``'s longest matching prefix; None if it has none."""
+    best, found = -1, None
+    for i, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, found = len(prefix), i
+    return found
+
+
+def upward_imports(graph: dict) -> list[str]:
+    """``"a -> b"`` for every import of a module ``b`` in a later layer than ``a``'s."""
+    return sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps if layer_of(b) > layer_of(a))
+
+
+def _graph() -> dict:
+    return {name: _edges(name, _parse(path)) for name, path in MODULES.items()}
+
+
+def test_imports_flow_down_the_layers():
+    assert upward_imports(_graph()) == []
+
+
+def test_the_direction_check_can_fail():
+    graph = {"hf_division.quant.codecs": {"hf_division.autograd.store", "hf_division.config"},
+             "hf_division.bench.zoo": {"hf_division.api"}, "model_patches.llama": {"hf_division.integrations.trl"}}
+    assert upward_imports(graph) == ["hf_division.quant.codecs -> hf_division.autograd.store",
+                                     "model_patches.llama -> hf_division.integrations.trl"]
+
+
+def test_every_module_is_in_a_layer_and_the_top_folder_holds_only_layers():
+    assert [m for m in MODULES if layer_of(m) is None] == []
+    top = sorted(n for n in os.listdir(os.path.join(ROOT, "hf_division")) if not n.startswith(("_", ".")))
+    assert top == ["analysis", "api.py", "autograd", "bench", "compress", "config.py", "integrations", "kernels",
+                   "patching", "quant", "registry.py"]
+
+
 def test_no_import_cycle():
     graph = {name: _edges(name, _parse(path)) for name, path in MODULES.items()}
     assert _cycles(graph) == []
@@ -145,7 +201,7 @@ def test_no_private_name_crosses_a_module():
 
 #: the one place that sets sys.path: ``hf-division run SCRIPT`` runs a user's script as
 #: ``python SCRIPT`` would, with the script's folder first on the path (docs/GUIDE.md, "Fine-tuning scripts")
-SYS_PATH_ALLOWED = {os.path.join("hf_division", "run.py")}
+SYS_PATH_ALLOWED = {os.path.join("hf_division", "integrations", "launcher.py")}
 
 
 def test_no_sys_path_edits_and_no_script_loaded_by_path():

@@ -1,14 +1,14 @@
-"""The causal-LM loss computed without holding vocabulary-sized tensors (hf_division.lm_loss)."""
+"""The causal-LM loss computed without holding vocabulary-sized tensors (hf_division.autograd.lm_loss)."""
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
 from hf_division import DivisionConfig, apply_division, remove_division
-from hf_division.fidelity import cosine, flat_grad
-from hf_division import lm_loss
-from hf_division.lm_loss import CausalLMLossFn, head_of
-from hf_division.measure import held_bytes
+from hf_division.analysis.fidelity import cosine, flat_grad
+from hf_division.autograd import lm_loss
+from hf_division.autograd.lm_loss import CausalLMLossFn, head_of
+from hf_division.analysis.measure import held_bytes
 
 EXACT = DivisionConfig(linear_bits=0, attention_bits=0, activation_bits=0, norm_bits=0)
 VOCAB = 3000

@@ -1,11 +1,11 @@
-"""Attention masks held as bits for the recomputation in backward (hf_division.store.keep_mask)."""
+"""Attention masks held as bits for the recomputation in backward (hf_division.autograd.store.keep_mask)."""
 import pytest
 import torch
 
 import hf_division as hd
-from hf_division import attention
+from hf_division.patching import attention
 from hf_division.config import DivisionConfig
-from hf_division.store import keep_mask
+from hf_division.autograd.store import keep_mask
 
 from conftest import tiny_batch, tiny_model
 

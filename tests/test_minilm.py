@@ -2,9 +2,9 @@
 import pytest
 
 import hf_division as hd
-from hf_division.fidelity import gradient_cosine
-from hf_division.textdata import BUNDLED_SST2_DEV, classification_batch, sst2_rows
-from hf_division.zoo import build_classifier, minilm_path, minilm_tokenizer
+from hf_division.analysis.fidelity import gradient_cosine
+from hf_division.bench.textdata import BUNDLED_SST2_DEV, classification_batch, sst2_rows
+from hf_division.bench.zoo import build_classifier, minilm_path, minilm_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """Mixed precision: bf16/fp16 saved tensors, fp16 range, autocast in backward recomputation.
 
-Figures on real MiniLM and the full Llama-shaped model: ``python -m hf_division.suites precision``
+Figures on real MiniLM and the full Llama-shaped model: ``python -m hf_division.bench precision``
 (docs/GUIDE.md, "Mixed precision"). Here: tiny-but-shaped configs, CPU autocast.
 """
 import dataclasses
@@ -11,8 +11,10 @@ from datasets import Dataset
 from transformers import AutoModelForSequenceClassification, BertConfig, LlamaConfig
 
 import hf_division as hd
+from hf_division.autograd import store
+from hf_division import api
 from hf_division import Trainer, TrainingArguments
-from hf_division.compressor import compress, decompress
+from hf_division.compress.pipeline import compress, decompress
 
 FP16_MAX = torch.finfo(torch.float16).max
 
@@ -183,8 +185,8 @@ def test_trainer_division_checkpointing_bf16_together(tmp_path, monkeypatch):
                              division_checkpointing="combine", use_cpu=True, max_steps=2, per_device_train_batch_size=4, learning_rate=1e-4,
                              report_to=[], save_strategy="no", disable_tqdm=True, logging_steps=1)
     packed = []
-    pack, row_scaled = hd.store.pack, hd.store.compress_row_scaled
-    monkeypatch.setattr(hd.store, "pack", lambda t, kind, config: packed.append((kind, t.dtype)) or pack(t, kind, config))
+    pack, row_scaled = store.pack, store.compress_row_scaled
+    monkeypatch.setattr(store, "pack", lambda t, kind, config: packed.append((kind, t.dtype)) or pack(t, kind, config))
 
     def fused(x, *args, **kw):  # norm inputs kept relative to their rows' RMS, in the kernels' passes
         p = row_scaled(x, *args, **kw)
@@ -192,14 +194,14 @@ def test_trainer_division_checkpointing_bf16_together(tmp_path, monkeypatch):
             packed.append(("norm", x.dtype))
         return p
 
-    monkeypatch.setattr(hd.store, "compress_row_scaled", fused)
+    monkeypatch.setattr(store, "compress_row_scaled", fused)
     dtypes = []
     handle = model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, a, out: dtypes.append(out.dtype))
     trainer = Trainer(model=model, args=args, train_dataset=data)
     result = trainer.train()
     handle.remove()
     assert result.global_step == 2 and torch.isfinite(torch.tensor(result.training_loss))
-    assert hd.api.division_config_of(model) is not None and model.is_gradient_checkpointing
+    assert api.division_config_of(model) is not None and model.is_gradient_checkpointing
     assert set(dtypes) == {torch.bfloat16}  # forward and checkpoint recomputation under autocast
     # compressed: the checkpointed layers' boundary inputs (norm) and what the head keeps
     assert ("norm", torch.float32) in packed or ("norm", torch.bfloat16) in packed, packed

@@ -1,5 +1,5 @@
-"""The native CPU kernels (hf_division/csrc/division_cpu.c) against the tensor code they write out
-(hf_division/quant.py, run eagerly): the same bytes, the same rebuilt values; built once per
+"""The native CPU kernels (hf_division/kernels/csrc/division_cpu.c) against the tensor code they write out
+(hf_division/quant/codecs.py, run eagerly): the same bytes, the same rebuilt values; built once per
 machine, with a warning and the torch kernels where no compiler works."""
 import shutil
 import subprocess
@@ -7,8 +7,9 @@ import subprocess
 import pytest
 import torch
 
-from hf_division import native, quant
-from hf_division.compressor import compress, compress_row_scaled, decompress, set_fused
+from hf_division.kernels import native
+from hf_division.quant import exact_tokens, packing
+from hf_division.compress.pipeline import compress, compress_row_scaled, decompress, set_fused
 
 
 def both(x, **kw):
@@ -128,8 +129,8 @@ def test_mask_bits_are_the_tensor_codes(dtype, n):
     draw = torch.rand(n, generator=torch.Generator().manual_seed(n)) > 0.3
     mask = draw.to(dtype) if dtype == torch.bool else draw.to(dtype).div_(0.7)
     bits, count = native.pack_mask(mask)
-    assert count == n and torch.equal(bits, quant.pack_mask(mask)[0])
-    assert torch.equal(quant.unpack_mask(bits, n, (n,)).bool(), draw)
+    assert count == n and torch.equal(bits, packing.pack_mask(mask)[0])
+    assert torch.equal(packing.unpack_mask(bits, n, (n,)).bool(), draw)
 
 
 @pytest.mark.parametrize("n", [5, 64, 4099])
@@ -223,7 +224,7 @@ def test_bernoulli_bits_are_atens_draws_and_stream(seed, before, n, p):
 
     bits, state, after = run(lambda: native.bernoulli_bits(n, p))
     mask, ref_state, ref_after = run(lambda: torch.empty(n).bernoulli_(p))
-    assert torch.equal(bits, quant.pack_mask(mask)[0])
+    assert torch.equal(bits, packing.pack_mask(mask)[0])
     assert torch.equal(state, ref_state) and torch.equal(after, ref_after)
 
 
@@ -237,11 +238,11 @@ def test_token_absmax_is_the_tensor_codes(m, t, c, seed, specials):
     x = torch.randn(m, t, c, generator=g) * torch.rand(m, t, 1, generator=g) * 10
     for v in specials:
         x.view(-1)[torch.randint(0, x.numel(), (1,), generator=g)] = v
-    ours, theirs = native.token_absmax(x), quant.token_absmax(x)
+    ours, theirs = native.token_absmax(x), exact_tokens.token_absmax(x)
     assert torch.equal(ours.isnan(), theirs.isnan())
     assert torch.equal(ours.nan_to_num(), theirs.nan_to_num())
     for ratio in (2.0, 16.0):
-        a, b = quant.outlier_candidates(x, ratio, ours), quant.outlier_candidates(x, ratio)
+        a, b = exact_tokens.outlier_candidates(x, ratio, ours), exact_tokens.outlier_candidates(x, ratio)
         assert torch.equal(a[1], b[1]) and torch.equal(a[0][a[1]], b[0][b[1]])
 
 
@@ -341,7 +342,7 @@ def test_native_draws_only_where_they_are_atens():
 
 
 def test_dropout_falls_back_to_aten_where_the_draws_differ(monkeypatch):
-    from hf_division.dropout import DropoutFn
+    from hf_division.autograd.dropout import DropoutFn
 
     real = native.draw_bits
     monkeypatch.setattr(native, "draw_bits", lambda state, p, n: real(state, p, n) ^ 1)  # one draw off per byte
@@ -374,7 +375,7 @@ def test_model_dropout_draws_are_the_baselines(attn, monkeypatch):
     # hidden and attention dropout drawn natively: the same outputs and the same RNG stream after
     from conftest import tiny_batch, tiny_model
     import hf_division as hd
-    from hf_division import dropout
+    from hf_division.autograd import dropout
 
     sizes = []
     monkeypatch.setattr(dropout, "bernoulli_bits", lambda n, p: sizes.append(n) or native.bernoulli_bits(n, p))
@@ -399,7 +400,7 @@ def test_model_dropout_draws_are_the_baselines(attn, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_dropout_drawn_as_bits_is_atens_dropout(dtype, p):
-    from hf_division.dropout import DropoutFn
+    from hf_division.autograd.dropout import DropoutFn
 
     x = torch.randn(5, 33, 48, dtype=dtype)
     x[0, :3, 0] = torch.tensor([float("inf"), -2.0, float("nan")])  # dropped: NaN, -0, NaN as ATen's product

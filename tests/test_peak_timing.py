@@ -1,5 +1,5 @@
-"""The measuring helpers: peak memory (``hf_division.peak``), interleaved step times
-(``hf_division.timing``) and the suites built on them (``step-time``, ``memory``)."""
+"""The measuring helpers: peak memory (``hf_division.bench.peak``), interleaved step times
+(``hf_division.analysis.timing``) and the suites built on them (``step-time``, ``memory``)."""
 import json
 import os
 import re
@@ -8,9 +8,11 @@ import time
 import pytest
 import torch
 
-from hf_division import fused, gated, native, rms_norm, suites
-from hf_division.peak import MALLOC_ENV, forked, run_clean, step_peak
-from hf_division.timing import interleaved_medians, quartile_ratios, round_ratios, timed
+from hf_division.kernels import compiled as fused, native
+from hf_division.autograd import gated_product as gated, rms_norm
+from hf_division.bench import suites
+from hf_division.bench.peak import MALLOC_ENV, forked, run_clean, step_peak
+from hf_division.analysis.timing import interleaved_medians, quartile_ratios, round_ratios, timed
 
 
 def test_interleaved_medians_rotate_and_drop_the_warm_up_round():
@@ -144,8 +146,8 @@ def _split_parts(out: str) -> tuple[str, dict]:
 
 
 def test_step_time_suite_real_batches_vary_and_bad_task_is_named():
-    from hf_division.glue import collated_batches
-    from hf_division.zoo import minilm_tokenizer
+    from hf_division.bench.glue import collated_batches
+    from hf_division.bench.zoo import minilm_tokenizer
 
     batches = collated_batches(GLUE, "sst2", minilm_tokenizer(), 4, 64, 3)
     lengths = [b["input_ids"].shape[1] for b in batches]
@@ -156,7 +158,7 @@ def test_step_time_suite_real_batches_vary_and_bad_task_is_named():
 
 
 def test_median_time_is_the_median_after_a_warm_up():
-    from hf_division.timing import median_time
+    from hf_division.analysis.timing import median_time
 
     calls, waits = [], iter([0.05, 0.0, 0.04, 0.0, 0.0, 0.04])  # the warm-up call, then 5 timed ones
     def fn():

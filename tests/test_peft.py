@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import hf_division as hd
-from hf_division.fidelity import gradient_cosine
+from hf_division import api
+from hf_division.analysis.fidelity import gradient_cosine
 
 from conftest import tiny_batch, tiny_model
 
@@ -68,7 +69,7 @@ def test_trainer_flag_on_peft_model_and_adapter_roundtrip(tmp_path):
                              learning_rate=1e-2, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True)
     before = {n: p.detach().clone() for n, p in lora.named_parameters() if p.requires_grad}
     Trainer(model=lora, args=args, train_dataset=ds).train()
-    assert hd.api.division_config_of(lora) is not None
+    assert api.division_config_of(lora) is not None
     changed = [n for n, p in lora.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
     assert any("lora_A" in n for n in changed)
     lora.save_pretrained(tmp_path / "adapter")

@@ -8,8 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hf_division.compressor import compress, decompress, set_fused
-from hf_division.quant import exceeds_median, outlier_candidates, outlier_tokens
+from hf_division.compress.pipeline import compress, decompress, set_fused
+from hf_division.quant.exact_tokens import exceeds_median, outlier_candidates, outlier_tokens
 
 #: largest |x| generated per dtype: fp16 up to its maximum (fp16 activations reach it); fp32 and
 #: bf16 to 1e36, where ranges and block sums stay finite in float32 (GUIDE, "Guarantees")

@@ -6,9 +6,9 @@ import torch
 
 import hf_division as hd
 from hf_division.api import division_config_of, restored_division
-from hf_division.fidelity import cosine, flat_grad
-from hf_division.textdata import BUNDLED_SST2_DEV, causal_lm_batch
-from hf_division.zoo import load_smollm2, smollm2_dir
+from hf_division.analysis.fidelity import cosine, flat_grad
+from hf_division.bench.textdata import BUNDLED_SST2_DEV, causal_lm_batch
+from hf_division.bench.zoo import load_smollm2, smollm2_dir
 
 
 @pytest.fixture(scope="module")

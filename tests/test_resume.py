@@ -5,10 +5,11 @@ import torch
 from datasets import Dataset
 
 import hf_division as hd
+from hf_division.integrations import trainer as hd_trainer
 from hf_division import Trainer, TrainingArguments
-from hf_division.noise import reseed, step_seed
-from hf_division.store import live_count, pack
-from hf_division.trainer import DivisionCallback
+from hf_division.compress.noise import reseed, step_seed
+from hf_division.autograd.store import live_count, pack
+from hf_division.integrations.trainer import DivisionCallback
 
 from conftest import tiny_batch, tiny_model
 
@@ -55,7 +56,7 @@ def _train(out, max_steps, resume=None, division=True, callback=True, save_steps
                              seed=7)
     trainer = Trainer(model=model, args=args, train_dataset=_data())
     if not callback:  # the noise then just continues from wherever the process left it
-        monkeypatch.setattr(hd.trainer, "add_division_callback", lambda t: None)
+        monkeypatch.setattr(hd_trainer, "add_division_callback", lambda t: None)
     trainer.train(resume_from_checkpoint=resume)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return torch.cat([p.detach().flatten() for p in model.parameters()]), losses
@@ -89,7 +90,7 @@ def test_callback_added_once():
     model = tiny_model("bert", "eager")
     args = TrainingArguments(output_dir="unused", division=True, max_steps=1, report_to=[], use_cpu=True)
     trainer = Trainer(model=model, args=args, callbacks=[DivisionCallback])
-    hd.trainer.add_division_callback(trainer)
+    hd_trainer.add_division_callback(trainer)
     assert sum(isinstance(cb, DivisionCallback) for cb in trainer.callback_handler.callbacks) == 1
 
 

@@ -1,4 +1,4 @@
-"""Llama's RMSNorm with its gradient written out (hf_division.rms_norm): which modules take it,
+"""Llama's RMSNorm with its gradient written out (hf_division.autograd.rms_norm): which modules take it,
 and that its gradients are autograd's through the module (to float32 rounding)."""
 import pytest
 import torch
@@ -12,8 +12,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 from transformers.models.t5.modeling_t5 import T5LayerNorm
 
 import hf_division as hd
-from hf_division import rms_norm
-from hf_division.fidelity import flat_grad
+from hf_division.autograd import rms_norm
+from hf_division.analysis.fidelity import flat_grad
 
 from conftest import tiny_batch, tiny_model
 

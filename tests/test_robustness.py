@@ -13,10 +13,10 @@ import torch
 import hf_division as hd
 from hf_division import DivisionConfig, apply_division, measure_activation_memory, remove_division
 from hf_division.api import division_config_of, patched_modules
-from hf_division.measure import held_bytes
-from hf_division.glue import DataTrainingArguments, parse_loop_args
-from hf_division.noise import reseed
-from hf_division.store import live_count
+from hf_division.analysis.measure import held_bytes
+from hf_division.bench.glue import DataTrainingArguments, parse_loop_args
+from hf_division.compress.noise import reseed
+from hf_division.autograd.store import live_count
 
 from conftest import tiny_batch, tiny_model
 

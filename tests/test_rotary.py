@@ -1,4 +1,4 @@
-"""The rotary embedding as one native pass each way (hf_division.rotary): Transformers' values to the
+"""The rotary embedding as one native pass each way (hf_division.autograd.rotary): Transformers' values to the
 bit, taken only in a patched attention module's training forward, and put back when unpatched."""
 import gc
 import types
@@ -10,7 +10,10 @@ from hypothesis import strategies as st
 from transformers.models.llama import modeling_llama
 from transformers.models.mistral import modeling_mistral
 
-from hf_division import apply_division, native, noise, remove_division, rotary
+from hf_division import apply_division, remove_division
+from hf_division.kernels import native
+from hf_division.compress import noise
+from hf_division.autograd import rotary
 
 from conftest import tiny_model
 

@@ -1,4 +1,4 @@
-"""The GLUE pieces of ``hf_division.glue`` on the bundled fixtures (the original TSV layout, 24 rows
+"""The GLUE pieces of ``hf_division.bench.glue`` on the bundled fixtures (the original TSV layout, 24 rows
 per split), ``scripts/run_glue.py`` end to end, and ``hf-division run`` on an unmodified example-style
 script."""
 import json
@@ -10,17 +10,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer, BertConfig, BertModel
 
-from hf_division.glue import (
-    build_model,
-    compute_metrics,
-    load_raw,
-    metrics_for,
-    parse_args,
-    read_split,
-    tokenize_splits,
+from hf_division.bench.glue import (
+    build_model, compute_metrics, load_raw, metrics_for, parse_args, read_split, tokenize_splits,
 )
-from hf_division.trainer import Trainer
-from hf_division.zoo import minilm_path
+from hf_division.integrations.trainer import Trainer
+from hf_division.bench.zoo import minilm_path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLUE = os.path.join(ROOT, "tests", "fixtures", "glue")
@@ -164,7 +158,7 @@ if __name__ == "__main__":
 
 
 def test_unmodified_script_runs_with_division(tiny_bert_dir, tmp_path):
-    entry = ["-m", "hf_division.cli", "run"]  # ``hf-division run``, which calls ``python -m hf_division.run``
+    entry = ["-m", "hf_division.integrations.cli", "run"]  # ``hf-division run``, which calls ``python -m hf_division.integrations.launcher``
     script = tmp_path / "example.py"
     script.write_text(EXAMPLE)
     (tmp_path / "model").symlink_to(tiny_bert_dir)
@@ -183,7 +177,7 @@ def test_run_without_division_flag_leaves_model_alone(tiny_bert_dir, tmp_path):
     script.write_text(EXAMPLE)
     (tmp_path / "model").symlink_to(tiny_bert_dir)
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "hf_division.run", str(script), "--output_dir", str(out), "--max_steps", "1",
+    cmd = [sys.executable, "-m", "hf_division.integrations.launcher", str(script), "--output_dir", str(out), "--max_steps", "1",
            "--report_to", "none", "--save_strategy", "no"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""TRL as a client: ``hf_division.sft`` in Python, and TRL's unmodified ``sft.py`` through
+"""TRL as a client: ``hf_division.integrations.trl`` in Python, and TRL's unmodified ``sft.py`` through
 ``hf-division run``, on a tiny Llama with a word-level tokenizer built here (no download)."""
 import json
 import logging
@@ -15,12 +15,12 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
 from hf_division.api import division_config_of
-from hf_division.peak import MALLOC_ENV
-from hf_division.run import STEP_LOG_ENV
-from hf_division.sft import SFTConfig, SFTTrainer
-from hf_division.suites.sft import sft_script
-from hf_division.textdata import BUNDLED_SST2_DEV, sft_texts
-from hf_division.trainer import TRL_TILE_TOKENS, bound_trl_tiles
+from hf_division.bench.peak import MALLOC_ENV
+from hf_division.integrations.launcher import STEP_LOG_ENV
+from hf_division.integrations.trl import SFTConfig, SFTTrainer
+from hf_division.bench.suites.sft import sft_script
+from hf_division.bench.textdata import BUNDLED_SST2_DEV, sft_texts
+from hf_division.integrations.trainer import TRL_TILE_TOKENS, bound_trl_tiles
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXTS = sft_texts(BUNDLED_SST2_DEV, 48, sentences=(1, 3))
@@ -90,7 +90,7 @@ def test_unmodified_trl_script_through_hf_division_run(tmp_path):
     with open(tmp_path / "data" / "train.jsonl", "w") as f:
         f.writelines(json.dumps({"text": t}) + "\n" for t in TEXTS)
     log = tmp_path / "steps.jsonl"
-    argv = [sys.executable, "-m", "hf_division.run", sft_script(), "--model_name_or_path", str(tmp_path / "model"),
+    argv = [sys.executable, "-m", "hf_division.integrations.launcher", sft_script(), "--model_name_or_path", str(tmp_path / "model"),
             "--dataset_name", str(tmp_path / "data"), "--per_device_train_batch_size", "4", "--max_length", "64",
             "--max_steps", "3", "--use_peft", "--lora_r", "4", "--lora_target_modules", "all-linear",
             "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no", "--bf16", "false",

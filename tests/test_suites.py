@@ -5,16 +5,16 @@ import json
 import pytest
 import torch
 
-from hf_division import suites
+from hf_division.bench import suites
 from hf_division.config import DivisionConfig
-from hf_division.fidelity import gradient_cosine
-from hf_division.measure import measure_activation_memory
-from hf_division.noise import reseed
-from hf_division.suites.auto_precision import markdown, neighbours
-from hf_division.suites.common import measure_config
-from hf_division.suites.family import POLICIES
-from hf_division.suites.policy import CANDIDATES, candidates
-from hf_division.zoo import family_model
+from hf_division.analysis.fidelity import gradient_cosine
+from hf_division.analysis.measure import measure_activation_memory
+from hf_division.compress.noise import reseed
+from hf_division.bench.suites.auto_precision import markdown, neighbours
+from hf_division.bench.suites.common import measure_config
+from hf_division.bench.suites.family import POLICIES
+from hf_division.bench.suites.policy import CANDIDATES, candidates
+from hf_division.bench.zoo import family_model
 
 from conftest import tiny_batch, tiny_model
 
@@ -101,7 +101,7 @@ def test_auto_precision_budgets_and_table():
 
 def test_cuda_suite_smoke_on_cpu(tmp_path):
     # the GPU suite's code path, on the CPU with a tiny model (tests/test_cuda.py runs it on CUDA)
-    from hf_division.suites import cuda
+    from hf_division.bench.suites import cuda
 
     out = tmp_path / "r.json"
     cuda.main(["--device", "cpu", "--shapes", "tiny", "--sizes", "2x48", "--rounds", "1", "--out", str(out)])
@@ -117,7 +117,7 @@ def test_noise_draws_keep_the_dropout_masks():
     # noise_seed varies the rounding noise only: without division (no noise) every draw is the
     # seed's exact gradient, with dropout on; with division, draws differ but stay close
     from hf_division.api import apply_division
-    from hf_division.fidelity import cosine, flat_grad
+    from hf_division.analysis.fidelity import cosine, flat_grad
 
     model = tiny_model("bert", "sdpa").train()  # dropout 0.1
     inputs = tiny_batch()
@@ -130,7 +130,7 @@ def test_noise_draws_keep_the_dropout_masks():
 
 
 def test_long_context_merges_earlier_runs(tmp_path, capsys):
-    from hf_division.suites import long_context
+    from hf_division.bench.suites import long_context
 
     def run(dtype, peaks):
         rows = [{"tokens": 2048, "batch": 1, "dtype": dtype, "arm": arm, "held_mib": 10.0 * i, "peak_mib": p}
@@ -152,8 +152,8 @@ def test_long_context_merges_earlier_runs(tmp_path, capsys):
 
 
 def test_draws_suite_times_and_checks_both_draws(capsys, monkeypatch):
-    from hf_division import native
-    from hf_division.suites import draws
+    from hf_division.kernels import native
+    from hf_division.bench.suites import draws
 
     if not native.draws_match_aten():
         pytest.skip("no native draws here")
@@ -166,8 +166,8 @@ def test_draws_suite_times_and_checks_both_draws(capsys, monkeypatch):
 
 
 def test_compressor_times_cover_rounding_and_the_outlier_score():
-    from hf_division import native
-    from hf_division.suites.compressor import compressor_times
+    from hf_division.kernels import native
+    from hf_division.bench.suites.compressor import compressor_times
 
     before = native.set_native(True)
     native.set_native(before)
@@ -184,8 +184,8 @@ def test_compressor_times_cover_rounding_and_the_outlier_score():
 
 @pytest.mark.parametrize("extra", [[], ["--no-causal", "--dropout", "0.1"], ["--dropout", "0.2"]])
 def test_attention_backward_suite_times_arms_it_checked(extra, capsys, monkeypatch):
-    from hf_division import sdpa_backward
-    from hf_division.suites import attention_backward
+    from hf_division.autograd import sdpa_backward
+    from hf_division.bench.suites import attention_backward
 
     argv = ["--batch", "2", "--seq", "20", "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--rounds", "1"]
     rows = attention_backward.main(argv + ["--blocks", "8:4"] + extra)

@@ -5,7 +5,7 @@ import torch
 import transformers as tf
 
 import hf_division as hd
-from hf_division.fidelity import gradient_cosine
+from hf_division.analysis.fidelity import gradient_cosine
 
 from conftest import pixel_batch, tiny_batch, tiny_config
 

