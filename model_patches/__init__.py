@@ -3,7 +3,7 @@
 
 Adding an architecture = one small module here that calls ``register(model_type, defaults=...)``
 on its patcher, plus its import below; it is supported once it passes
-``tests/test_conformance.py`` (parametrized over the registry).
+``tests/model_patches/test_conformance.py`` (parametrized over the registry).
 """
 from . import (bart, bert, clip, deberta_v2, distilbert, falcon, gemma, gemma2, gemma3, generic, gpt2, gpt_neox, llama,
                mistral, mixtral, modernbert, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, t5, vit, whisper)

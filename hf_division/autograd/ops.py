@@ -89,7 +89,7 @@ class RecomputeFn(torch.autograd.Function):
     ``y`` is declared derivable from the same copy, so the next layer saving ``y`` adds nothing.
     With parameters (a norm), the rebuild of ``y`` for the next layer records that recomputation
     and the backward reuses it: one normalization in backward instead of two, the same graph
-    (``tests/test_fast_backward.py``).
+    (``tests/autograd/test_fast_backward.py``).
     """
 
     @staticmethod

@@ -100,7 +100,7 @@ CASES = {
     "vit": Case(VIT, auto=AutoModelForImageClassification, batch=pixel_batch),
     **{t: Case(BART, batch=functools.partial(token_batch, eos_id=BART["eos_token_id"])) for t in ("bart", "mbart")},
     "whisper": Case(WHISPER, auto=AutoModelForSpeechSeq2Seq, batch=audio_batch),
-    #: CLIP and SigLIP: the vision tower with a classification head (the text tower: tests/test_breadth.py)
+    #: CLIP and SigLIP: the vision tower with a classification head (the text tower: tests/model_patches/test_breadth.py)
     **{t: Case(dict(vision_config=VIT, text_config=TEXT_TOWER), auto=AutoModelForImageClassification,
                batch=pixel_batch) for t in ("clip", "siglip")},
 }

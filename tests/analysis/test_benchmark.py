@@ -14,7 +14,7 @@ from hf_division.bench.zoo import build_classifier
 
 from conftest import tiny_batch, tiny_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "benchmark.py")
 
 

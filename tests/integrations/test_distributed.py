@@ -8,7 +8,7 @@ gloo backend, ``DistributedType.MULTI_CPU``). Tolerances are measured (docs/RESU
 see the same examples per optimizer step but draw different rounding noise (the noise seed mixes in
 the rank), so losses after the first update differ by about the noise's effect on the weights.
 Run as a script, this file is the FSDP worker (``python -m torch.distributed.run ... fsdp``) or
-measures the tolerances (``python tests/test_distributed.py measure``).
+measures the tolerances (``python tests/integrations/test_distributed.py measure``).
 """
 import json
 import os
@@ -22,12 +22,12 @@ import psutil
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GLUE = os.path.join(ROOT, "tests", "fixtures", "glue")
 SCRIPTS = os.path.join(ROOT, "scripts")
 
 #: max |loss difference| per step, 2 processes vs 1, with division: about 3x the largest measured over
-#: seeds 0-4 by ``python tests/test_distributed.py measure`` (docs/RESULTS.md, "Distributed: two processes against one"). Step 1 runs
+#: seeds 0-4 by ``python tests/integrations/test_distributed.py measure`` (docs/RESULTS.md, "Distributed: two processes against one"). Step 1 runs
 #: before any update (float rounding only); later steps carry the different rounding noise of the two runs.
 LOOP_TOL = [1e-6, 2.5e-3, 3e-3]
 GLUE_TOL = [1e-6, 1.5e-3]
@@ -452,4 +452,4 @@ if __name__ == "__main__":  # hf_division comes from PYTHONPATH (``_env``) or th
         only = [a for a in args if not a.isdigit()]  # accelerate / run_glue / fsdp
         measure([int(a) for a in args if a.isdigit()] or [0, 1, 2, 3, 4], only)
     else:
-        raise SystemExit("usage: python tests/test_distributed.py measure [accelerate|run_glue|fsdp ...] [SEEDS...]")
+        raise SystemExit("usage: python tests/integrations/test_distributed.py measure [accelerate|run_glue|fsdp ...] [SEEDS...]")

@@ -215,9 +215,9 @@ def test_layer_norm_direct_backward_is_the_recomputation_to_the_bit(frozen_linea
 
 def test_norm_and_gated_mlp_run_once_in_backward_with_the_same_gradient(monkeypatch):
     """A norm with parameters on the generic path (RecomputeFn; Llama's RMSNorm switched to it
-    here, hf_division.autograd.rms_norm being tested in tests/test_rms_norm.py): the rebuild of its output
+    here, hf_division.autograd.rms_norm being tested in tests/autograd/test_rms_norm.py): the rebuild of its output
     for the next layer records the recomputation and the norm's backward reuses it; the gated
-    MLP's product rebuild (with the fused kernel off, tested in tests/test_gated.py) leaves act(gate)
+    MLP's product rebuild (with the fused kernel off, tested in tests/autograd/test_gated.py) leaves act(gate)
     and SiLU's gradient comes from silu_backward. Each runs
     once per backward where it ran twice, and the gradient is the same to the bit."""
     from transformers.models.llama import modeling_llama

@@ -16,7 +16,7 @@ from hf_division.bench.glue import (
 from hf_division.integrations.trainer import Trainer
 from hf_division.bench.zoo import minilm_path
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GLUE = os.path.join(ROOT, "tests", "fixtures", "glue")
 ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 

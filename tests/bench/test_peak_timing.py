@@ -84,7 +84,7 @@ def test_memory_suite(capsys):
     assert div < base / 4 and ratio == pytest.approx(base / div, rel=0.05), out
 
 
-GLUE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "glue")
+GLUE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures", "glue")
 
 
 @pytest.mark.parametrize("extra", [[], ["--profile", "--top", "3"], ["--token-chunks", "4096"],

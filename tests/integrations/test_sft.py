@@ -22,7 +22,7 @@ from hf_division.bench.suites.sft import sft_script
 from hf_division.bench.textdata import BUNDLED_SST2_DEV, sft_texts
 from hf_division.integrations.trainer import TRL_TILE_TOKENS, bound_trl_tiles
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TEXTS = sft_texts(BUNDLED_SST2_DEV, 48, sentences=(1, 3))
 
 
