@@ -14,7 +14,6 @@ import warnings
 from torch import nn
 from transformers import PretrainedConfig
 
-import model_patches  # noqa: F401 - importing it registers every family
 from hf_division.patching.attention import CONFIG_ATTR, restore
 from hf_division.config import DivisionConfig
 from hf_division.patching.primitives import (

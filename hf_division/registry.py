@@ -7,10 +7,17 @@ Each module of ``model_patches`` registers its family here when imported::
 and :mod:`hf_division.api` looks the family up when patching. A family's ``defaults`` are the
 :class:`~hf_division.config.DivisionConfig` fields whose measured default differs for it
 (docs/DESIGN.md, "Policy"); :meth:`DivisionConfig.resolved` reads them through :func:`family_defaults`.
+
+Families are found lazily: the ``model_patches`` package declares which of its modules registers
+which model types (its ``FAMILIES`` table), and the first lookup of a model type imports that one
+module, by name. A family module imports its architecture's modeling file, so importing every
+family up front would load some thirty modeling files that a run patching one model never uses
+(docs/DESIGN.md, "Patching, registry and families").
 """
 from __future__ import annotations
 
 import contextlib
+import importlib
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Mapping
@@ -26,6 +33,29 @@ class Family:
 
 _FAMILIES: dict[str, Family] = {}
 _FALLBACK: list[Callable] = []
+_HIDDEN: set[str] = set()  # model types :func:`unregistered` hides
+
+#: the package whose modules register the families; imported by name, never statically, so the
+#: registry stays a leaf and a family's module loads only when its model type is asked for
+FAMILY_PACKAGE = "model_patches"
+#: its module that registers the generic fallback
+FALLBACK_MODULE = "generic"
+
+
+def declared() -> dict[str, str]:
+    """``model_type -> module`` of :data:`FAMILY_PACKAGE` that registers it (the package's
+    ``FAMILIES`` table, read without importing any family module)."""
+    table = importlib.import_module(FAMILY_PACKAGE).FAMILIES
+    return {t: module for module, types in table.items() for t in types}
+
+
+def _load(model_type: str | None) -> None:
+    """Import the module that registers ``model_type``, if one is declared and it is not loaded."""
+    if model_type is None or model_type in _FAMILIES or model_type in _HIDDEN:
+        return
+    module = declared().get(model_type)
+    if module is not None:
+        importlib.import_module(f"{FAMILY_PACKAGE}.{module}")
 
 
 def register(*model_types: str, defaults: Mapping | None = None):
@@ -51,23 +81,31 @@ def register_fallback(apply: Callable) -> Callable:
 
 
 def family(model_type: str | None) -> Family | None:
-    """The registered family of ``model_type``, or None."""
-    return _FAMILIES.get(model_type)
+    """The family of ``model_type`` (its module imported on first use), or None."""
+    _load(model_type)
+    return None if model_type in _HIDDEN else _FAMILIES.get(model_type)
 
 
 def fallback() -> Callable | None:
-    """The generic patcher, if one is registered."""
+    """The generic patcher, if one is registered (its module imported on first use)."""
+    if not _FALLBACK:
+        importlib.import_module(f"{FAMILY_PACKAGE}.{FALLBACK_MODULE}")
     return _FALLBACK[0] if _FALLBACK else None
 
 
 def family_defaults(model_type: str | None) -> Mapping:
     """The config fields whose default differs for ``model_type`` (empty if none or unknown)."""
-    found = _FAMILIES.get(model_type)
+    found = family(model_type)
     return found.defaults if found is not None else {}
 
 
 def supported_model_types() -> list[str]:
-    """Model types with a registered patcher, sorted."""
+    """Model types with a patcher, declared or registered, sorted; imports no family module."""
+    return sorted((set(declared()) | set(_FAMILIES)) - _HIDDEN)
+
+
+def registered() -> list[str]:
+    """Model types whose family module has been imported so far, sorted."""
     return sorted(_FAMILIES)
 
 
@@ -75,8 +113,9 @@ def supported_model_types() -> list[str]:
 def unregistered(*model_types: str):
     """Hide the families of ``model_types`` inside the block, e.g. to measure what the generic
     fallback does on a type that has its own patcher."""
-    hidden = {t: _FAMILIES.pop(t) for t in model_types if t in _FAMILIES}
+    fresh = set(model_types) - _HIDDEN
+    _HIDDEN.update(fresh)
     try:
         yield
     finally:
-        _FAMILIES.update(hidden)
+        _HIDDEN.difference_update(fresh)

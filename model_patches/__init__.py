@@ -1,13 +1,43 @@
-"""Per-architecture patchers. Importing this package registers every family in
-``hf_division.registry`` (``model_type -> patcher + default policy``).
+"""Per-architecture patchers: one module per family, each registering its model types in
+``hf_division.registry`` (``model_type -> patcher + default policy``) when imported.
+
+Nothing here is imported up front: :data:`FAMILIES` says which module registers which model types,
+and the registry imports a module the first time one of its types is patched or asked about, so a
+run loads the modeling file of the architecture it trains and no other (docs/DESIGN.md,
+"Patching, registry and families").
 
 Adding an architecture = one small module here that calls ``register(model_type, defaults=...)``
-on its patcher, plus its import below; it is supported once it passes
-``tests/model_patches/test_conformance.py`` (parametrized over the registry).
+on its patcher, plus its row below; it is supported once it passes
+``tests/model_patches/test_conformance.py`` (parametrized over the registry), and
+``tests/model_patches/test_registry.py`` checks that the module registers exactly its row.
 """
-from . import (bart, bert, clip, deberta_v2, distilbert, falcon, gemma, gemma2, gemma3, generic, gpt2, gpt_neox, llama,
-               mistral, mixtral, modernbert, opt, phi, phi3, qwen2, qwen2_moe, qwen3, qwen3_moe, t5, vit, whisper)
 
-__all__ = ["bart", "bert", "clip", "deberta_v2", "distilbert", "falcon", "gemma", "gemma2", "gemma3", "generic", "gpt2",
-           "gpt_neox", "llama", "mistral", "mixtral", "modernbert", "opt", "phi", "phi3", "qwen2", "qwen2_moe", "qwen3",
-           "qwen3_moe", "t5", "vit", "whisper"]
+#: module of this package -> the model types it registers (``generic`` registers the fallback)
+FAMILIES = {
+    "bart": ("bart", "mbart"),
+    "bert": ("bert", "camembert", "electra", "roberta", "xlm-roberta"),
+    "clip": ("clip", "siglip"),
+    "deberta_v2": ("deberta-v2",),
+    "distilbert": ("distilbert",),
+    "falcon": ("falcon",),
+    "gemma": ("gemma",),
+    "gemma2": ("gemma2",),
+    "gemma3": ("gemma3_text",),
+    "generic": (),
+    "gpt2": ("gpt2",),
+    "gpt_neox": ("gpt_neox",),
+    "llama": ("llama",),
+    "mistral": ("mistral",),
+    "mixtral": ("mixtral",),
+    "modernbert": ("modernbert",),
+    "opt": ("opt",),
+    "phi": ("phi",),
+    "phi3": ("phi3",),
+    "qwen2": ("qwen2",),
+    "qwen2_moe": ("qwen2_moe",),
+    "qwen3": ("qwen3",),
+    "qwen3_moe": ("qwen3_moe",),
+    "t5": ("t5",),
+    "vit": ("vit",),
+    "whisper": ("whisper",),
+}

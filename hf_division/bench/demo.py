@@ -11,10 +11,7 @@ import argparse
 import os
 import tempfile
 
-import numpy as np
 import torch
-from datasets import Dataset
-from sklearn.metrics import accuracy_score
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
 from hf_division.analysis.measure import measure_activation_memory
@@ -37,9 +34,9 @@ def main(argv=None):
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
 
-    def encode(rows):
-        ds = Dataset.from_dict({"sentence": [s for s, _ in rows], "label": [y for _, y in rows]})
-        return ds.map(lambda b: tok(b["sentence"], truncation=True, max_length=args.max_length), batched=True)
+    def encode(rows):  # a list of features is a dataset to the Trainer: no datasets package needed
+        enc = tok([s for s, _ in rows], truncation=True, max_length=args.max_length)
+        return [{**{k: v[i] for k, v in enc.items()}, "label": y} for i, (_, y) in enumerate(rows)]
 
     train_rows = sst2_rows(os.path.join(DATA, "sst2_train_sample.tsv"))
     train, dev = encode(train_rows), encode(sst2_rows(BUNDLED_SST2_DEV))
@@ -56,7 +53,7 @@ def main(argv=None):
     print(mem.table())
 
     def metrics(pred):
-        return {"accuracy": accuracy_score(pred.label_ids, np.argmax(pred.predictions, axis=-1))}
+        return {"accuracy": float((pred.predictions.argmax(-1) == pred.label_ids).mean())}
 
     trainer = Trainer(model=model, args=targs, train_dataset=train, eval_dataset=dev,
                       data_collator=DataCollatorWithPadding(tok), compute_metrics=metrics)
