@@ -31,11 +31,14 @@ _PUBLIC = {
     "supported_model_types": "hf_division.api",
     "exact": "hf_division.autograd.store",
     "configure": "hf_division.kernels.switches",
+    "configured": "hf_division.kernels.switches",
     "measure_activation_memory": "hf_division.analysis.measure",
     "suggest": "hf_division.analysis.budget",
     "TrainingArguments": "hf_division.integrations.trainer",
     "Trainer": "hf_division.integrations.trainer",
     "enable": "hf_division.integrations.trainer",
+    "disable": "hf_division.integrations.trainer",
+    "with_division": "hf_division.integrations.trainer",
 }
 
 __all__ = list(_PUBLIC)

@@ -10,7 +10,7 @@ time with token chunks of 2^20 (the default) and 2^24 elements. docs/RESULTS.md,
 """
 import json, os, sys, time
 import torch
-from hf_division.kernels import compiled as fused
+from hf_division.kernels import compiled as fused, configure
 from hf_division.bench.suites.cuda import build, set_arm, step_fn
 from hf_division.bench.textdata import random_tokens
 from hf_division.analysis.timing import timed
@@ -29,7 +29,7 @@ def med(n=5):
     return statistics.median(timed(step, DEV) for _ in range(n))
 
 for arm in ["none", "division"]:
-    fused.set_fused(False)
+    configure(compile=False)
     set_arm(model, arm); step(); step()
     res[f"{arm} eager"] = med()
     if arm == "division":
@@ -44,7 +44,7 @@ for arm in ["none", "division"]:
     print(res, flush=True)
 
 for chunk in [1 << 20, 1 << 24]:
-    fused.set_fused(True)
+    configure(compile=True)
     fused.TOKEN_CHUNK = chunk
     fused.compiled.cache_clear(); torch._dynamo.reset()
     set_arm(model, "division")

@@ -13,7 +13,7 @@ import hf_division as hd
 from hf_division.compress.pipeline import compress, decompress
 from hf_division.quant.packing import unpack_bits
 from hf_division.analysis.fidelity import cosine, flat_grad
-from hf_division.kernels.compiled import set_fused
+from hf_division.kernels import configured
 from hf_division.analysis.measure import held_bytes
 from hf_division.bench.suites import cuda as cuda_suite
 
@@ -53,12 +53,9 @@ def test_compiled_kernels_match_eager_on_device(grouping):
     x = torch.randn(1, tokens, 64, device=DEV)
     out = {}
     for fused in (True, False):
-        set_fused(fused)
-        try:
+        with configured(compile=fused):
             out[fused] = compress(x, bits=4, block_size=16, stochastic=True, grouping=grouping,
                                   generator=torch.Generator(device=DEV).manual_seed(0))
-        finally:
-            set_fused(True)
     codes_f, codes_e = unpack_bits(out[True].packed, 4), unpack_bits(out[False].packed, 4)
     assert (codes_f != codes_e).float().mean() < 1e-4  # at most last-bit ties differ
     torch.testing.assert_close(decompress(out[True]), decompress(out[False]), atol=out[True].scale.float().max().item(),

@@ -19,21 +19,13 @@ import math
 import torch
 
 from hf_division.kernels import native
+from hf_division.kernels.switches import switches
 from hf_division.quant.packed import Packed
 
-_STATE = {"enabled": True}
-
-
-def use_fused_gated(enabled: bool) -> bool:
-    """Turn the fused kernel on (default) or off (GatedFn then rebuilds ``gate`` and ``up``); returns
-    the previous setting."""
-    previous, _STATE["enabled"] = _STATE["enabled"], bool(enabled)
-    return previous
-
-
 def applies(gate: Packed | None, up: Packed | None) -> bool:
-    """Whether :func:`silu_gated` takes these two compressed operands."""
-    if not _STATE["enabled"] or gate is None or up is None:
+    """Whether :func:`silu_gated` takes these two compressed operands (and the ``gated_from_codes``
+    switch is on; off, GatedFn rebuilds ``gate`` and ``up``)."""
+    if not switches().gated_from_codes or gate is None or up is None:
         return False
     # equal layouts (permutation and permuted shape) mean equal shapes and strides
     return all(_takes(p) for p in (gate, up)) and gate.layout == up.layout and gate.group_size == up.group_size \

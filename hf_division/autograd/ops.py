@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from hf_division.autograd.accounting import account_tensors
 from hf_division.config import DivisionConfig
 from hf_division.autograd.first_order import first_order
+from hf_division.kernels.switches import switches
 from hf_division.autograd.dropout import DropoutMasks
 from hf_division.autograd.gated_product import silu_gated
 from hf_division.autograd.sdpa_backward import GradientOnlySDPA
@@ -73,15 +74,6 @@ class LinearFn(torch.autograd.Function):
         return gx, gw, gb, None, None, None, None
 
 
-_SHARED = {"enabled": True}
-
-
-def share_recomputation(enabled: bool) -> None:
-    """Norms and gated MLPs reuse in backward what the rebuild of their output computed (default),
-    or recompute it on their own (what the sharing is tested against)."""
-    _SHARED["enabled"] = bool(enabled)
-
-
 class RecomputeFn(torch.autograd.Function):
     """``y = fn(x)`` for an elementwise/normalization ``fn`` with parameters ``params``.
 
@@ -98,7 +90,7 @@ class RecomputeFn(torch.autograd.Function):
         ctx.fn, ctx.entry, ctx.amp = fn, keep(x, kind, config, exact_sign), autocast_state()
         ctx.save_for_backward(*params)
         ctx.graph = {}
-        shared = params and _SHARED["enabled"]
+        shared = params and switches().shared_recomputation
         rebuild = _recorded(fn, ctx.amp, ctx.needs_input_grad[4], ctx.graph) if shared else _no_grad(fn, ctx.amp)
         derive(y, (ctx.entry,), rebuild)
         return y
@@ -197,7 +189,7 @@ class GatedFn(torch.autograd.Function):
             return None, None, None, *fused
         gate, up = (e.take() for e in ctx.entries)
         a = ctx.acts.pop("a", None)
-        direct = elementwise_grad(ctx.act) if _SHARED["enabled"] else None
+        direct = elementwise_grad(ctx.act) if switches().shared_recomputation else None
         if direct is not None and not any(on for _, on, _ in ctx.amp):
             if a is None and ctx.needs_input_grad[4]:
                 a = _no_grad(ctx.act, ctx.amp)(gate)
@@ -229,15 +221,6 @@ def _compressed_grads(entries: tuple, grad):
         for e in entries:
             e.done()
     return grads
-
-
-_FAST_SDPA = {"enabled": True}
-
-
-def use_fast_sdpa_backward(enabled: bool) -> None:
-    """Recompute attention on CPU with the written-out sdpa gradient (default) or under plain
-    autograd (what the fast path is tested against)."""
-    _FAST_SDPA["enabled"] = bool(enabled)
 
 
 class RngState:
@@ -292,7 +275,7 @@ class AttentionFn(torch.autograd.Function):
         with ctx.rng.restored():
             with torch.enable_grad(), DropoutMasks(replay=ctx.masks) as replay, autocast_as(ctx.amp):
                 # CPU: sdpa's output is not recomputed, only its gradient (hf_division.autograd.sdpa_backward)
-                fast = _FAST_SDPA["enabled"] and not ctx.rng.devices
+                fast = switches().sdpa_backward and not ctx.rng.devices
                 with GradientOnlySDPA(replay) if fast else contextlib.nullcontext():
                     out = ctx.call(*qkv, *extra)
         inputs = (*qkv, *extra)

@@ -22,6 +22,7 @@ from torch import nn
 
 from hf_division.config import DivisionConfig
 from hf_division.autograd.first_order import first_order
+from hf_division.kernels.switches import switches
 from hf_division.autograd.store import derive, keep
 
 
@@ -52,21 +53,11 @@ def eps_of(module: nn.Module) -> float | None:
     return eps
 
 
-_ENABLED = {"on": True}
-
-
-def use_direct_backward(enabled: bool) -> bool:
-    """Route Llama-form RMSNorms through :class:`RMSNormFn` (default) or the generic recomputation
-    (what it is tested and timed against: the step-time suite's ``--generic-norm`` arm); returns
-    the former setting, to restore."""
-    former, _ENABLED["on"] = _ENABLED["on"], bool(enabled)
-    return former
-
-
 def takes(eps: float | None) -> bool:
-    """Whether a module :func:`eps_of` found (``eps``) takes this path now: switched on, and not
-    under autocast, whose casts the generic path replays."""
-    return eps is not None and _ENABLED["on"] and not any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
+    """Whether a module :func:`eps_of` found (``eps``) takes this path now: the ``rms_norm_backward``
+    switch on (off: the generic recomputation), and not under autocast, whose casts the generic path
+    replays."""
+    return eps is not None and switches().rms_norm_backward and not any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
 
 
 def normalize(x: torch.Tensor, weight: torch.Tensor, eps: float, stats: dict) -> torch.Tensor:

@@ -26,21 +26,14 @@ import torch
 
 from hf_division.kernels import native
 from hf_division.autograd.first_order import first_order
+from hf_division.kernels.switches import switches
 
 NAME = "apply_rotary_pos_emb"
 
 _inside = contextvars.ContextVar("hf_division_rotary", default=False)
-_STATE = {"enabled": True}
 _lock = threading.Lock()
 _installed: dict = {}  # (module name, function name) -> [original, wrapper, users]
 _checked: dict = {}  # original function -> whether it matched the kernel on the probes
-
-
-def use_fast_rotary(enabled: bool) -> bool:
-    """Turn the kernel on (default) or off (the model's own function then runs under autograd);
-    returns the previous setting."""
-    previous, _STATE["enabled"] = _STATE["enabled"], bool(enabled)
-    return previous
 
 
 @contextlib.contextmanager
@@ -74,7 +67,7 @@ def takes(q, k, cos, sin) -> bool:
     """Whether :class:`RotaryFn` takes this call: a training forward on the CPU in float32, q and k
     ``(b, heads, t, e)``, cos and sin ``(b or 1, t, e)`` (``unsqueeze_dim`` 1, the whole head
     rotated: Phi-3's partial rotary passes a shorter ``cos``), none of them a tensor subclass."""
-    if not (_STATE["enabled"] and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+    if not (switches().rotary and torch.is_grad_enabled()) or torch.compiler.is_compiling():
         return False
     tensors = (q, k, cos, sin)
     if any(type(t) is not torch.Tensor for t in tensors):

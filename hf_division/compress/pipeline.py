@@ -13,7 +13,7 @@ at most one quantization step of its group (``scale``), plus the rounding of ``x
 Without a token axis (or with ``grouping="flat"``) the scheme is ActNN's: no LFC, groups of
 ``group_size`` consecutive elements in memory order.
 
-The math is in :mod:`hf_division.quant.codecs`, how it runs (compiled chunks, :func:`set_fused`) in
+The math is in :mod:`hf_division.quant.codecs`, how it runs (compiled chunks) in
 :mod:`hf_division.kernels.compiled`; this module lays tensors out and bundles the pieces (:class:`Packed`).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import torch
 from hf_division.kernels import native
-from hf_division.kernels.compiled import run_groups, run_tokens, set_fused, token_chunks, tune
+from hf_division.kernels.compiled import run_groups, run_tokens, token_chunks, tune
 from hf_division.quant.rounding import SCALE_DTYPE, bf16_directed, noise_seed, wrap_int32
 from hf_division.quant.packing import code_layout
 from hf_division.quant.codecs import decode_into, dequantize_tuple, encode_groups, encode_into, minmax_groups
@@ -36,7 +36,7 @@ from hf_division.quant.packed import Layout, Packed
 tune(encode_into, realize_reads_threshold=64)
 
 
-__all__ = ["Layout", "Packed", "cast_finite", "compress", "decompress", "quantize_groups", "set_fused"]
+__all__ = ["Layout", "Packed", "cast_finite", "compress", "decompress", "quantize_groups"]
 
 
 def quantize_groups(flat: torch.Tensor, seed: torch.Tensor | None, bits: int, group_size: int):

@@ -1,3 +1,6 @@
 """How the compressor runs: the native CPU library (``csrc/``), the ``torch.compile`` runner, and
-``configure()``, the one switch board for every optional fast path.
+:func:`configure`, the one switch board for every optional fast path (:mod:`.switches`).
 """
+from hf_division.kernels.switches import configure, configured, switches
+
+__all__ = ["configure", "configured", "switches"]

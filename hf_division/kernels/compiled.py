@@ -16,6 +16,8 @@ import warnings
 
 import torch
 
+from hf_division.kernels.switches import configure, switches
+
 #: groups per compiled call of the flat path (few calls: each pays its guards)
 CHUNKS = (4096, 1024, 256)
 #: elements per compiled call of the token kernels: a chunk stays in cache across the kernel's
@@ -24,7 +26,6 @@ CHUNKS = (4096, 1024, 256)
 #: (``step-time --token-chunks``; docs/RESULTS.md, "Step time and where it goes")
 TOKEN_CHUNK = 1 << 20
 
-_state = {"fused": True}
 _variant_ids = itertools.count()
 _options: dict = {}  # kernel -> inductor options of its own (:func:`tune`)
 
@@ -35,14 +36,9 @@ def tune(kernel, **options) -> None:
     _options[kernel] = {**_options.get(kernel, {}), **options}
 
 
-def set_fused(enabled: bool) -> None:
-    """Run the compressor's kernels through ``torch.compile`` (default) or eagerly."""
-    _state["fused"] = bool(enabled)
-
-
 def fused() -> bool:
-    """Whether the kernels run compiled (:func:`set_fused`)."""
-    return _state["fused"]
+    """Whether the kernels run compiled (the ``compile`` switch: :func:`hf_division.kernels.configure`)."""
+    return switches().compile
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,7 +57,7 @@ def compiled(kernel, variant: tuple):
 
 def _fall_back(kernel, err: Exception) -> None:
     warnings.warn(f"hf-division: torch.compile of {kernel.__name__} failed ({err!r}); using eager kernels")
-    set_fused(False)
+    configure(compile=False)
 
 
 def token_chunks(n_groups: int, c: int, group: int):

@@ -9,7 +9,8 @@ The C file is the same math element by element and gives the same bytes (tested 
 It is built once per machine into a cache folder (``HF_DIVISION_CACHE``, else
 ``$XDG_CACHE_HOME/hf_division`` or ``~/.cache/hf_division``), keyed on the source, the flags, the
 compiler and the CPU, like inductor's own C++ cache. Where no compiler works, or with
-``HF_DIVISION_NATIVE=0``, :func:`kernels` returns None and the compressor uses the
+the ``native`` switch off (:func:`hf_division.kernels.configure`, ``HF_DIVISION_NATIVE=0``),
+:func:`kernels` returns None and the compressor uses the
 ``torch.compile`` kernels (:mod:`hf_division.kernels.compiled`), with one warning.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from hf_division.kernels.switches import switches
 from hf_division.quant.packing import bit_table, unpack_mask
 from hf_division.quant.packing import pack_mask as quant_pack_mask
 
@@ -44,20 +46,13 @@ LFC_KIND = {None: 0, torch.bfloat16: 1, torch.float32: 2}
 #: size: waking the other threads costs more than the work (and far more on a busy machine)
 GRAIN = 32768
 
-_state: dict = {"enabled": os.environ.get("HF_DIVISION_NATIVE", "1") != "0", "lib": None, "tried": False}
+_state: dict = {"lib": None, "tried": False}
 _lock = threading.Lock()
 
 
-def set_native(enabled: bool) -> bool:
-    """Use the native CPU kernels where they apply (default) or the ``torch.compile``/eager ones;
-    returns the former setting, to restore (``HF_DIVISION_NATIVE=0`` sets it off at import)."""
-    former, _state["enabled"] = _state["enabled"], bool(enabled)
-    return former
-
-
 def kernels() -> ctypes.CDLL | None:
-    """The loaded library, built on first use; None if disabled or it cannot be built here."""
-    if not _state["enabled"]:
+    """The loaded library, built on first use; None if switched off (``native``) or it cannot be built here."""
+    if not switches().native:
         return None
     if not _state["tried"]:
         with _lock:
@@ -272,15 +267,6 @@ def masked_scale(grad: torch.Tensor, bits: torch.Tensor, n: int, shape, dtype: t
 #: CPUGeneratorImplStateLegacy): mt19937's ``left`` (int32), ``next`` (uint64), 624 state words (uint64)
 _LEFT, _NEXT, _WORDS = slice(8, 12), slice(16, 24), slice(24, 24 + 624 * 8)
 _STATE_BYTES = 5056
-_draws = {"enabled": os.environ.get("HF_DIVISION_NATIVE_DRAWS", "1") != "0"}
-
-
-def set_native_draws(enabled: bool) -> bool:
-    """Draw dropout masks with the native kernel where it gives ATen's draws (default) or with
-    ATen's ``bernoulli_`` (``HF_DIVISION_NATIVE_DRAWS=0`` at import); returns the former setting.
-    The step-time suite's ``--aten-draws`` arm times division without them."""
-    former, _draws["enabled"] = _draws["enabled"], bool(enabled)
-    return former
 
 
 def draw_bits(state: torch.Tensor, p: float, n: int) -> torch.Tensor:
@@ -293,7 +279,7 @@ def draw_bits(state: torch.Tensor, p: float, n: int) -> torch.Tensor:
 
 def draws_match_aten() -> bool:
     """Whether :func:`bernoulli_bits` gives ATen's draws and stream in this process: False without
-    the native kernels (``set_native(False)``, no compiler), else :func:`checked_draws`."""
+    the native kernels (the ``native`` switch off, no compiler), else :func:`checked_draws`."""
     lib = kernels()
     return lib is not None and checked_draws(lib)
 
@@ -319,10 +305,10 @@ def checked_draws(lib: ctypes.CDLL) -> bool:
 def draws_apply(target: torch.Tensor, p, generator=None) -> bool:
     """Whether :func:`bernoulli_bits` can stand for ``target.bernoulli_(p, generator=generator)``:
     a contiguous CPU tensor, a float ``p`` in [0, 1], the default generator, and the native draws
-    checked equal to ATen's here."""
+    checked equal to ATen's here, and the ``native_draws`` switch on."""
     plain = generator is None and isinstance(p, float) and 0.0 <= p <= 1.0
     on_cpu = target.device.type == "cpu" and target.is_contiguous() and target.numel() > 0
-    return _draws["enabled"] and plain and on_cpu and draws_match_aten()
+    return switches().native_draws and plain and on_cpu and draws_match_aten()
 
 
 def bernoulli_bits(n: int, p: float) -> torch.Tensor:

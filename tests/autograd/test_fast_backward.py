@@ -4,7 +4,8 @@ import torch
 import torch.nn.functional as F
 
 import hf_division as hd
-from hf_division.autograd.ops import elementwise_grad, use_fast_sdpa_backward
+from hf_division.autograd.ops import elementwise_grad
+from hf_division.kernels import configure, configured
 from hf_division.analysis.fidelity import flat_grad
 from hf_division.autograd.sdpa_backward import sdpa_grads
 
@@ -138,11 +139,8 @@ def test_attention_fn_fast_path_matches_recomputation(model_type, query_block, m
     fast = flat_grad(model, batch, 0)
     # the fast path ran once per layer, with the recorded dropout bits where there is dropout
     assert calls == [model_type == "bert"] * model.config.num_hidden_layers
-    use_fast_sdpa_backward(False)
-    try:
+    with configured(sdpa_backward=False):
         slow = flat_grad(model, batch, 0)
-    finally:
-        use_fast_sdpa_backward(True)
     assert torch.isfinite(fast).all()
     torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-6)
     assert not torch.equal(fast, torch.zeros_like(fast))
@@ -222,18 +220,15 @@ def test_norm_and_gated_mlp_run_once_in_backward_with_the_same_gradient(monkeypa
     once per backward where it ran twice, and the gradient is the same to the bit."""
     from transformers.models.llama import modeling_llama
 
-    from hf_division.autograd import gated_product as gated, ops, rms_norm
-
     calls = {"norm": 0, "silu": 0}
     norm, silu = modeling_llama.LlamaRMSNorm.forward, F.silu  # counted where they are looked up at call time
     monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", lambda self, x: calls.__setitem__("norm", calls["norm"] + 1) or norm(self, x))
     monkeypatch.setattr(F, "silu", lambda x, inplace=False: calls.__setitem__("silu", calls["silu"] + 1) or silu(x, inplace))
     batch = tiny_batch(pad_from=[64, 50, 64, 33])
     grads, counts = {}, {}
-    direct, fused = rms_norm.use_direct_backward(False), gated.use_fused_gated(False)
-    try:
+    with configured(rms_norm_backward=False, gated_from_codes=False, shared_recomputation=True):
         for shared in (True, False):
-            ops.share_recomputation(shared)  # off: recompute without a graph, SiLU's gradient through autograd
+            configure(shared_recomputation=shared)  # off: recompute without a graph, SiLU's gradient through autograd
             model = tiny_model("llama", "sdpa")
             hd.apply_division(model, hd.DivisionConfig(rounding="nearest", min_numel=0))
             model.zero_grad()
@@ -242,10 +237,6 @@ def test_norm_and_gated_mlp_run_once_in_backward_with_the_same_gradient(monkeypa
             out.loss.backward()
             counts[shared] = (calls["norm"] - before["norm"], calls["silu"] - before["silu"])
             grads[shared] = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
-    finally:
-        ops.share_recomputation(True)
-        rms_norm.use_direct_backward(direct)
-        gated.use_fused_gated(fused)
     layers = model.config.num_hidden_layers
     assert counts[True] == (2 * layers + 1, layers)  # two norms a layer + the final one; one MLP a layer
     assert counts[False] == (2 * counts[True][0], 2 * layers)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 import hf_division as hd
 from hf_division.compress import pipeline as compressor
 from hf_division.autograd import gated_product as gated, store
-from hf_division.kernels import native
+from hf_division.kernels import configured, native
 from hf_division.analysis.fidelity import flat_grad
 
 from conftest import tiny_batch, tiny_model
@@ -117,16 +117,10 @@ def test_declines_what_it_does_not_take():
         assert not gated.applies(a, b)
         assert gated.silu_gated(a, b) is None
     assert gated.silu_gated(plain, plain, torch.randn(2, 64, 128).double()) is None  # grad dtype
-    previous = gated.use_fused_gated(False)
-    try:
+    with configured(gated_from_codes=False):
         assert not gated.applies(plain, plain)
-    finally:
-        gated.use_fused_gated(previous)
-    previous = native.set_native(False)
-    try:
+    with configured(native=False):
         assert not gated.applies(plain, plain)
-    finally:
-        native.set_native(previous)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "phi3", "qwen2"])
@@ -145,11 +139,8 @@ def test_gated_fn_uses_it_and_matches_the_rebuild(model_type, monkeypatch):
     fused = flat_grad(model, batch, 0)
     assert calls == [True, False] * model.config.num_hidden_layers  # product, then gradients, per layer
     assert len(held) == 4 * model.config.num_hidden_layers and all(e.freed for e in held)  # taken, then freed
-    previous = gated.use_fused_gated(False)
-    try:
+    with configured(gated_from_codes=False):
         rebuilt = flat_grad(model, batch, 0)
-    finally:
-        gated.use_fused_gated(previous)
     assert len(calls) == 2 * model.config.num_hidden_layers
     assert torch.isfinite(fused).all() and not torch.equal(fused, torch.zeros_like(fused))
     torch.testing.assert_close(fused, rebuilt, rtol=1e-5, atol=1e-7)

@@ -13,6 +13,7 @@ from transformers.models.t5.modeling_t5 import T5LayerNorm
 
 import hf_division as hd
 from hf_division.autograd import rms_norm
+from hf_division.kernels import configure, configured
 from hf_division.analysis.fidelity import flat_grad
 
 from conftest import tiny_batch, tiny_model
@@ -81,13 +82,12 @@ def test_output_and_gradients_are_autograds(tokens, channels, log_scale, dtype, 
 
 @pytest.fixture(autouse=True)
 def _restore_the_switch():
-    former = rms_norm.use_direct_backward(True)
-    yield
-    rms_norm.use_direct_backward(former)
+    with configured(rms_norm_backward=True):
+        yield
 
 
 def _patched(fast: bool, frozen_linears=False, dtype=torch.float32):
-    rms_norm.use_direct_backward(fast)  # read when the forward runs
+    configure(rms_norm_backward=fast)  # read when the forward runs
     model = tiny_model("llama", "sdpa").to(dtype)
     for m in model.modules():
         if frozen_linears and isinstance(m, torch.nn.Linear):

@@ -11,7 +11,7 @@ from transformers.models.llama import modeling_llama
 from transformers.models.mistral import modeling_mistral
 
 from hf_division import apply_division, remove_division
-from hf_division.kernels import native
+from hf_division.kernels import configured, native
 from hf_division.compress import noise
 from hf_division.autograd import rotary
 
@@ -71,13 +71,10 @@ def _llama_batch():
 
 
 def _grads(model, batch, fast):
-    previous = rotary.use_fast_rotary(fast)
-    try:
+    with configured(rotary=fast):
         noise.reseed(0)
         model.zero_grad(set_to_none=True)
         model(**batch).loss.backward()
-    finally:
-        rotary.use_fast_rotary(previous)
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 

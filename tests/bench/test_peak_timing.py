@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from hf_division.kernels import compiled as fused, native
-from hf_division.autograd import gated_product as gated, rms_norm
+from hf_division.kernels import compiled as fused, native, switches
+from hf_division.autograd import rms_norm
 from hf_division.bench import suites
 from hf_division.bench.peak import MALLOC_ENV, forked, run_clean, step_peak
 from hf_division.analysis.timing import interleaved_medians, quartile_ratios, round_ratios, timed
@@ -124,7 +124,7 @@ def test_step_time_suite(extra, capsys, tmp_path):
         if "--generic-norm" in extra:  # division with RMSNorm recomputed under autograd, switched back after
             chunked |= {"division-generic-norm", "division-rebuilt-gated"}
             assert rms_norm.takes(1e-6)
-            assert gated.use_fused_gated(True)  # and the fused SiLU-gated kernel back on
+            assert switches().gated_from_codes and switches().rms_norm_backward  # and the kernels back on
         if "--task" in extra:  # a new MRPC batch per round, padded to its longest row (at most --seq)
             assert re.search(r"mrpc train batches of 2, padded per batch to \d+-16 tokens", out), out
         assert fused.TOKEN_CHUNK == chunk  # restored after the run

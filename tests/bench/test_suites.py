@@ -168,9 +168,9 @@ def test_draws_suite_times_and_checks_both_draws(capsys, monkeypatch):
 def test_compressor_times_cover_rounding_and_the_outlier_score():
     from hf_division.kernels import native
     from hf_division.bench.suites.compressor import compressor_times
+    from hf_division.kernels import switches
 
-    before = native.set_native(True)
-    native.set_native(before)
+    before = switches().native
     rows = compressor_times(torch.randn(2, 32, 64))
     assert all(t > 0 for t in rows.values()), rows
     expected = {f"compress (division, tokens{lfc}, {how})" for lfc in ("", ", no LFC") for how in ("eager", "fused")}
@@ -179,7 +179,7 @@ def test_compressor_times_cover_rounding_and_the_outlier_score():
                      for r in ("", ", nearest", ", outlier search")}
         expected.add("outlier score, max |x| per token (native)")
     assert expected <= set(rows), sorted(expected - set(rows))
-    assert native.set_native(before) == before  # restored after the eager and fused rows
+    assert switches().native == before and switches().compile  # restored after the eager and fused rows
 
 
 @pytest.mark.parametrize("extra", [[], ["--no-causal", "--dropout", "0.1"], ["--dropout", "0.2"]])

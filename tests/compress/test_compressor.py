@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from hf_division.kernels import native
-from hf_division.compress.pipeline import compress, decompress, set_fused
+from hf_division.compress.pipeline import compress, decompress
+from hf_division.kernels import configured
 from hf_division.kernels.compiled import compiled
 from hf_division.quant.packing import (
     code_layout, pack_bits, pack_mask, pack_tokens, unpack_bits, unpack_mask, unpack_tokens,
@@ -199,9 +199,8 @@ def test_nonfinite_propagates():
 @pytest.fixture
 def torch_kernels():
     """The compressor's torch kernels, not the native CPU ones (hf_division.kernels.native)."""
-    former = native.set_native(False)
-    yield
-    native.set_native(former)
+    with configured(native=False):
+        yield
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
@@ -215,13 +214,10 @@ def test_fused_matches_eager(bits, stochastic, grouping, torch_kernels):
     x = torch.randn(1, tokens, 64)
     out = {}
     for fused in (True, False):
-        set_fused(fused)
-        try:
+        with configured(compile=fused):
             p = compress(x, bits=bits, block_size=16, stochastic=stochastic, grouping=grouping,
                          generator=torch.Generator().manual_seed(0))
             out[fused] = (p, decompress(p))
-        finally:
-            set_fused(True)
     (pf, yf), (pe, ye) = out[True], out[False]
     assert torch.equal(pf.lo, pe.lo) and torch.equal(pf.scale, pe.scale)
     if pf.lfc is not None:

@@ -8,7 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hf_division.compress.pipeline import compress, decompress, set_fused
+from hf_division.compress.pipeline import compress, decompress
+from hf_division.kernels import configured
 from hf_division.quant.exact_tokens import exceeds_median, outlier_candidates, outlier_tokens
 
 #: largest |x| generated per dtype: fp16 up to its maximum (fp16 activations reach it); fp32 and
@@ -53,9 +54,8 @@ def group_steps(p, x):
 
 @pytest.fixture(autouse=True, scope="module")
 def eager():
-    set_fused(False)  # hundreds of shapes: compiling each would dominate; the math is the same
-    yield
-    set_fused(True)
+    with configured(compile=False):  # hundreds of shapes: compiling each would dominate; the math is the same
+        yield
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

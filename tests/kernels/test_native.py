@@ -9,21 +9,17 @@ import torch
 
 from hf_division.kernels import native
 from hf_division.quant import exact_tokens, packing
-from hf_division.compress.pipeline import compress, compress_row_scaled, decompress, set_fused
+from hf_division.compress.pipeline import compress, compress_row_scaled, decompress
+from hf_division.kernels import configured
 
 
 def both(x, **kw):
     """``{native: (Packed, rebuilt)}`` for the native kernels and the eager tensor code."""
     out = {}
     for use in (True, False):
-        former = native.set_native(use)
-        set_fused(use)  # the reference is the eager tensor code, not a compiled copy of it
-        try:
+        with configured(native=use, compile=use):  # the reference is the eager tensor code, not a compiled copy
             p = compress(x, generator=torch.Generator().manual_seed(3), **kw)
             out[use] = (p, decompress(p))
-        finally:
-            native.set_native(former)
-            set_fused(True)
     return out[True], out[False]
 
 
@@ -111,14 +107,9 @@ def test_built_once_then_loaded_from_the_cache(tmp_path):
 
 def test_disabled_native_kernels_fall_back_to_the_tensor_code():
     x = torch.randn(2, 64, 32)
-    former = native.set_native(False)
-    set_fused(False)  # eager: the compiled copy of the same code is tested in test_compressor.py
-    try:
+    with configured(native=False, compile=False):  # eager: the compiled copy is tested in test_compressor.py
         assert not native.applies(x.device, None)
         y = decompress(compress(x, bits=8, block_size=1, group_size=32))
-    finally:
-        native.set_native(former)
-        set_fused(True)
     assert native.applies(x.device, None) and (y - x).abs().max() < 0.1
 
 
@@ -157,11 +148,8 @@ def test_row_scaled_is_dividing_first_and_multiplying_after(block):
         assert torch.equal(a, b)
     assert fused.row_scale is rms and fused.nbytes == plain.nbytes + rms.numel() * 4
     assert torch.equal(decompress(fused), decompress(plain) * rms)
-    former = native.set_native(False)  # a Packed built natively still rebuilds through the tensor code
-    try:
+    with configured(native=False):  # a Packed built natively still rebuilds through the tensor code
         assert torch.equal(decompress(fused), decompress(plain) * rms)
-    finally:
-        native.set_native(former)
 
 
 @pytest.mark.parametrize("block", [1, 16])
@@ -293,13 +281,8 @@ def test_outlier_search_reads_the_tensor_in_the_encode(monkeypatch, row_scaled, 
     # a spike in one channel: its token's max |x| / RMS is about sqrt(300), 5x the others'
     args = dict(bits=4, block_size=8, group_size=64, lfc_dtype=torch.bfloat16, outlier_ratio=4.0)
     r = torch.linalg.vector_norm(x, dim=-1, keepdim=True).mul_(300**-0.5)
-    former = native.set_native(False)
-    set_fused(False)  # the reference: the eager tensor code
-    try:
+    with configured(native=False, compile=False):  # the reference: the eager tensor code
         ref = compress(x / r if row_scaled else x, generator=torch.Generator().manual_seed(3), **args)
-    finally:
-        native.set_native(former)
-        set_fused(True)
     calls.update(encode=0, score=0)
     if row_scaled:
         p = compress_row_scaled(x, r, generator=torch.Generator().manual_seed(3), **args)
@@ -316,11 +299,8 @@ def test_outlier_search_reads_the_tensor_in_the_encode(monkeypatch, row_scaled, 
 def test_token_absmax_leaves_what_it_does_not_take_to_the_caller():
     x = torch.randn(2, 8, 16)
     assert native.token_absmax(x.transpose(1, 2)) is None and native.token_absmax(x.double()) is None
-    former = native.set_native(False)
-    try:
+    with configured(native=False):
         assert native.token_absmax(x) is None
-    finally:
-        native.set_native(former)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -362,11 +342,8 @@ def test_dropout_falls_back_to_aten_where_the_draws_differ(monkeypatch):
 
 def test_draws_follow_the_native_switch():
     # checked per library: turning the kernels off and on again does not leave the draws off
-    former = native.set_native(False)
-    try:
+    with configured(native=False):
         assert not native.draws_match_aten() and not native.draws_apply(torch.empty(4), 0.5)
-    finally:
-        native.set_native(former)
     assert native.draws_match_aten() and native.draws_apply(torch.empty(4), 0.5)
 
 

@@ -20,7 +20,8 @@ import time
 import torch
 
 from hf_division.kernels import native
-from hf_division.compress.pipeline import compress, decompress, set_fused
+from hf_division.compress.pipeline import compress, decompress
+from hf_division.kernels import configure, configured
 from hf_division.quant.codecs import encode_tokens
 from hf_division.quant.rounding import noise_words, uniform
 from hf_division.quant.packing import pack_mask, unpack_bits, unpack_mask
@@ -38,9 +39,7 @@ def compressor_times(x) -> dict:
         for how, (use_native, fused) in kernels.items():
             if how == "native" and ("flat" in name or native.kernels() is None):
                 continue
-            former = native.set_native(use_native)
-            set_fused(fused)
-            try:
+            with configured(native=use_native, compile=fused):
                 p = compress(x, **kw)
                 decompress(p)  # warm-up (compiles the chunk kernels when fused)
                 rows[f"compress ({name}, {how})"] = median_time(lambda: compress(x, **kw))
@@ -49,9 +48,6 @@ def compressor_times(x) -> dict:
                     rows[f"compress ({name}, {how}, nearest)"] = median_time(lambda: compress(x, stochastic=False, **kw))
                     rows[f"compress ({name}, {how}, outlier search)"] = median_time(
                         lambda: compress(x, outlier_ratio=16.0, **kw))
-            finally:
-                native.set_native(former)
-                set_fused(True)
     if native.kernels() is not None:  # the outlier search's score as a pass of its own (the former order)
         tokens = x.reshape(-1, x.shape[-2], x.shape[-1])
         rows["outlier score, max |x| per token (native)"] = median_time(lambda: native.token_absmax(tokens))
@@ -95,7 +91,7 @@ def main(argv=None):
     x = torch.randn(32, 128, 1536)
     n = x.numel()
     rows = {**compressor_times(x), **whole_tensor_times(x)}
-    set_fused(True)
+    configure(compile=True)
     rows["torch.rand_like"] = median_time(lambda: torch.rand_like(x))
     rows["noise_words + uniform (16-bit)"] = median_time(lambda: uniform(noise_words(n, x.device)))
     rows["bernoulli_ (dropout draw)"] = median_time(lambda: torch.empty_like(x).bernoulli_(0.9))

@@ -31,7 +31,7 @@ import torch
 
 from hf_division.api import apply_division, remove_division
 from hf_division.analysis.fidelity import cosine, flat_grad
-from hf_division.kernels.compiled import fused, set_fused
+from hf_division.kernels import configured
 from hf_division.analysis.measure import account
 from hf_division.bench.peak import step_peak
 from hf_division.bench.textdata import random_tokens
@@ -143,12 +143,8 @@ def main(argv=None):
         ap.error(f"--sizes: one per shape ({len(args.shapes)}), got {len(args.sizes)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("hf-division cuda suite: no CUDA device")
-    was = fused()
-    set_fused(args.compiled)
-    try:
+    with configured(compile=args.compiled):
         run(args, argv)
-    finally:
-        set_fused(was)
 
 
 def run(args, argv) -> list[dict]:

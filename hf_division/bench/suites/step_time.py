@@ -33,8 +33,7 @@ import torch
 from transformers import HfArgumentParser
 
 from hf_division.config import DivisionConfig
-from hf_division.kernels import compiled as fused, native
-from hf_division.autograd import gated_product as gated, rms_norm, rotary
+from hf_division.kernels import compiled as fused, configured
 from hf_division.bench.glue import collated_batches, get_task
 from hf_division.api import apply_division
 from hf_division.autograd.store import COMPRESS_LABEL, REBUILD_LABEL
@@ -68,16 +67,16 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--token-chunks", type=int, nargs="*", default=[],
                     help="also time division at these compiled chunk sizes (elements; hf_division.kernels.compiled.TOKEN_CHUNK)")
     ap.add_argument("--aten-draws", action="store_true",
-                    help="also time division drawing dropout masks with ATen's bernoulli_ (hf_division.kernels.native.set_native_draws)")
+                    help="also time division drawing dropout masks with ATen's bernoulli_ (the native_draws switch: hf_division.kernels.configure)")
     ap.add_argument("--generic-norm", action="store_true",
                     help="also time division with Llama-form RMSNorms on the generic recomputation "
-                         "(hf_division.autograd.rms_norm.use_direct_backward)")
+                         "(the rms_norm_backward switch)")
     ap.add_argument("--rebuilt-gated", action="store_true",
                     help="also time division with the SiLU-gated MLP's gate and up rebuilt as tensors in backward "
-                         "(hf_division.autograd.gated_product.use_fused_gated)")
+                         "(the gated_from_codes switch)")
     ap.add_argument("--plain-rotary", action="store_true",
                     help="also time division with the model's rotary embedding run under autograd, not as one "
-                         "native pass each way (hf_division.autograd.rotary.use_fast_rotary)")
+                         "native pass each way (the rotary switch)")
     ap.add_argument("--nearest", action="store_true",
                     help="also time division rounding its codes to nearest (division_rounding nearest): "
                          "the step a rounding-noise generator that cost nothing would leave")
@@ -128,17 +127,9 @@ def main(argv=None):
     def seconds(name):
         model, batch = methods[name], current["batch"]
         fused.TOKEN_CHUNK = chunks.get(name, chunks["division"])
-        former = native.set_native_draws(name != "division-aten-draws")
-        direct = rms_norm.use_direct_backward(name != "division-generic-norm")
-        fused_gated = gated.use_fused_gated(name != "division-rebuilt-gated")
-        fast_rotary = rotary.use_fast_rotary(name != "division-plain-rotary")
-        try:
+        with configured(native_draws=name != "division-aten-draws", rms_norm_backward=name != "division-generic-norm",
+                        gated_from_codes=name != "division-rebuilt-gated", rotary=name != "division-plain-rotary"):
             dt = timed(lambda: step(model, batch, forward[name]))
-        finally:
-            native.set_native_draws(former)
-            rms_norm.use_direct_backward(direct)
-            gated.use_fused_gated(fused_gated)
-            rotary.use_fast_rotary(fast_rotary)
         model.zero_grad(set_to_none=True)
         return dt
 
