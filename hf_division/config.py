@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import json
 import math
 import os
@@ -33,9 +34,54 @@ DEFAULTS["exact_tokens"] = 0
 #: bits of the activation inputs in the model's first ``early_layers`` (docs/DESIGN.md, "Policy")
 EARLY_ACTIVATION_BITS = 8
 
-_LFC_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_METHODS = ("division", "actnn", "actnn-all")
-_ROUNDING = ("stochastic", "nearest")
+
+
+class Choice(str, enum.Enum):
+    """A config field's allowed values: each member equals, hashes and prints as its string, so a
+    config built from ``"actnn"`` or from ``Method.ACTNN`` is the same config, and
+    ``HfArgumentParser`` offers the values as the argument's choices."""
+
+    __hash__ = str.__hash__
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value, where: str):
+        """``value`` (a member or its string) as a member; ValueError naming ``where`` and the choices."""
+        try:
+            return cls(value)
+        except ValueError:
+            choices = ", ".join(repr(m.value) for m in cls)
+            raise ValueError(f"{where} must be one of {choices}, got {value!r}") from None
+
+
+class Method(Choice):
+    """Which scheme compresses the saved activations (docs/DESIGN.md, "Policy")."""
+
+    DIVISION = "division"  # LFC + HFC, every kind
+    ACTNN = "actnn"  # ActNN's scope: Linear inputs at 2 bits in flat groups, no LFC; other kinds kept
+    ACTNN_ALL = "actnn-all"  # every kind at 2 bits in flat groups (an ablation)
+
+
+class Rounding(Choice):
+    """How HFC values round to their codes."""
+
+    STOCHASTIC = "stochastic"  # unbiased: up with probability equal to the fraction
+    NEAREST = "nearest"  # no noise; biased
+
+
+class LfcDtype(Choice):
+    """The dtype the LFC (block means) is stored in."""
+
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    FLOAT32 = "float32"
+
+    @property
+    def torch(self) -> torch.dtype:
+        return getattr(torch, self.value)
+
 
 
 def _field(default, help_text: str):
@@ -72,15 +118,15 @@ class DivisionConfig:
     several modules is compressed once, at the bits of the first module that keeps it.
     """
 
-    method: str = _field(
-        "division", '"division" (LFC + HFC); "actnn" (ActNN\'s scope: Linear inputs at 2 bits in flat groups, no LFC, '
+    method: Method = _field(
+        Method.DIVISION, '"division" (LFC + HFC); "actnn" (ActNN\'s scope: Linear inputs at 2 bits in flat groups, no LFC, '
                     'dropout masks as bits, every other kind kept); "actnn-all" (every kind at 2 bits, an ablation).')
     block_size: int | None = _field(
         None, "Tokens averaged into one LFC row (DIVISION's block; 1: no LFC); unset: family default "
               "(BERT-family encoders: 1), else 16.")
-    lfc_dtype: str = _field("bfloat16", "dtype of the LFC: bfloat16, float16 or float32.")
+    lfc_dtype: LfcDtype = _field(LfcDtype.BFLOAT16, "dtype of the LFC: bfloat16, float16 or float32.")
     group_size: int = _field(256, "HFC elements sharing one min/scale pair (DIVISION: tokens of one channel); a multiple of 8.")
-    rounding: str = _field("stochastic", '"stochastic" (unbiased) or "nearest" rounding of the HFC.')
+    rounding: Rounding = _field(Rounding.STOCHASTIC, '"stochastic" (unbiased) or "nearest" rounding of the HFC.')
     linear_bits: int | None = _field(None, "HFC bits for inputs of Linear layers (1, 2, 4, 8; 0: keep; unset: family default).")
     attention_bits: int | None = _field(None, "HFC bits for the q/k/v kept by attention (0: keep; unset: family default).")
     activation_bits: int | None = _field(None, "HFC bits for inputs of activation functions (0: keep; unset: family default).")
@@ -108,12 +154,9 @@ class DivisionConfig:
               "(gated decoders: 0.4; unset: family default; 0: none). Layers that module_bits names keep what it says.")
 
     def __post_init__(self):
-        if self.method not in _METHODS:
-            raise ValueError(f"DivisionConfig.method must be one of {_METHODS}, got {self.method!r}")
-        if self.lfc_dtype not in _LFC_DTYPES:
-            raise ValueError(f"DivisionConfig.lfc_dtype must be one of {tuple(_LFC_DTYPES)}, got {self.lfc_dtype!r}")
-        if self.rounding not in _ROUNDING:
-            raise ValueError(f"DivisionConfig.rounding must be one of {_ROUNDING}, got {self.rounding!r}")
+        self.method = Method.parse(self.method, "DivisionConfig.method")
+        self.lfc_dtype = LfcDtype.parse(self.lfc_dtype, "DivisionConfig.lfc_dtype")
+        self.rounding = Rounding.parse(self.rounding, "DivisionConfig.rounding")
         for name in ("block_size", "group_size", "min_numel"):
             value, least = getattr(self, name), 0 if name == "min_numel" else 1
             if value is None and name == "block_size":
@@ -156,7 +199,7 @@ class DivisionConfig:
         override = self._resolved.get(kind) if name is None else self._override(kind, name)
         if override is not None:
             return override
-        if self.method == "actnn" and kind != "linear":
+        if self.method == Method.ACTNN and kind != "linear":
             return 0  # ActNN compresses the inputs of the layers it supports and keeps the rest
         bits = getattr(self, f"{kind}_bits")
         bits = DEFAULT_BITS[kind] if bits is None else bits
@@ -165,7 +208,7 @@ class DivisionConfig:
     @property
     def is_actnn(self) -> bool:
         """ActNN's quantizer: 2-bit flat groups, no LFC, no outlier tokens (both ActNN methods)."""
-        return self.method in ("actnn", "actnn-all")
+        return self.method in (Method.ACTNN, Method.ACTNN_ALL)
 
     @property
     def effective_outlier_ratio(self) -> float:
@@ -227,7 +270,7 @@ class DivisionConfig:
             block_size=self.kind_block_size(kind),
             group_size=self.kind_group_size(kind),
             lfc_dtype=self.torch_lfc_dtype,
-            stochastic=self.rounding == "stochastic",
+            stochastic=self.rounding == Rounding.STOCHASTIC,
             outlier_ratio=self.effective_outlier_ratio,
             grouping="flat" if self.is_actnn else "tokens",
             exact_tokens=0 if self.is_actnn else (self.exact_tokens or 0),
@@ -251,7 +294,7 @@ class DivisionConfig:
 
     @property
     def torch_lfc_dtype(self) -> torch.dtype:
-        return _LFC_DTYPES[self.lfc_dtype]
+        return self.lfc_dtype.torch
 
     def to_dict(self) -> dict:
         return asdict(self)
