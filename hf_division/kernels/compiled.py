@@ -37,7 +37,7 @@ def tune(kernel, **options) -> None:
 
 
 def fused() -> bool:
-    """Whether the kernels run compiled (the ``compile`` switch: :func:`hf_division.kernels.configure`)."""
+    """Whether the kernels are to run compiled (the ``compile`` switch: :func:`hf_division.kernels.configure`)."""
     return switches().compile
 
 
@@ -60,12 +60,13 @@ def _fall_back(kernel, err: Exception) -> None:
     configure(compile=False)
 
 
-def token_chunks(n_groups: int, c: int, group: int):
+def token_chunks(n_groups: int, c: int, group: int, compile: bool = True):
     """``(first group, groups)`` pieces covering ``n_groups`` groups of ``group`` tokens x ``c``
-    channels: compiled sizes, largest first, then an eager remainder (``groups`` negative)."""
+    channels: compiled sizes, largest first, then an eager remainder (``groups`` negative); one
+    eager piece without ``compile``."""
     size = 1 << max(0, (TOKEN_CHUNK // (group * c)).bit_length() - 1)
     start = 0
-    while size >= 1 and fused():
+    while size >= 1 and compile:
         while n_groups - start >= size:
             yield start, size
             start += size
@@ -82,7 +83,7 @@ def run_tokens(kernel, static: tuple, pieces, args_of) -> None:
     ``args_of`` passes (one compiled graph serves every offset), so no concatenation follows."""
     for start, groups in pieces:
         args = args_of(start, abs(groups))
-        if groups > 0 and fused():
+        if groups > 0 and fused():  # not switched off by a failed compile since the pieces were cut
             shapes = tuple(None if a is None else (tuple(a.shape), a.dtype) for a in args)
             try:
                 compiled(kernel, (static, shapes))(*args, *static)
@@ -92,13 +93,14 @@ def run_tokens(kernel, static: tuple, pieces, args_of) -> None:
         kernel(*args, *static)
 
 
-def run_groups(kernel, n_groups: int, args: tuple, per_group: tuple, static: tuple):
-    """``kernel(*args, *static)`` over all groups, sliced into fixed-size chunks when fused.
+def run_groups(kernel, n_groups: int, args: tuple, per_group: tuple, static: tuple, compile: bool = True):
+    """``kernel(*args, *static)`` over all groups, sliced into fixed-size compiled chunks with
+    ``compile`` (else one eager call).
 
     ``per_group[i]``: elements of ``args[i]`` per group (None: pass ``args[i]`` as it is).
     Each output is concatenated in group order.
     """
-    if not fused() or n_groups < CHUNKS[-1]:
+    if not compile or not fused() or n_groups < CHUNKS[-1]:
         return kernel(*args, *static)
     pieces, start = [], 0
     absent = tuple(a is None for a in args)

@@ -103,7 +103,7 @@ def minmax_groups(flat, group_size: int):
 
 
 def encode_groups(flat, base, seed, lo, inv, bits: int, group_size: int):
-    """The elementwise part of :func:`hf_division.compress.pipeline.quantize_groups`: ``(packed,)`` codes for float32 groups.
+    """The elementwise part of :meth:`hf_division.compress.backends.TorchBackend.encode_flat`: ``(packed,)`` codes for float32 groups.
     ``base``: (groups,) int32 index of each group's first element, modulo 2**32 (None: round to nearest)."""
     g = flat.view(-1, group_size)
     if base is None:
@@ -117,7 +117,7 @@ def encode_groups(flat, base, seed, lo, inv, bits: int, group_size: int):
 
 
 def dequantize_groups(packed: torch.Tensor, lo: torch.Tensor, scale: torch.Tensor, bits: int, group_size: int):
-    """Inverse of :func:`hf_division.compress.pipeline.quantize_groups` up to rounding: flat float32 values."""
+    """Inverse of :meth:`hf_division.compress.backends.TorchBackend.encode_flat` up to rounding: flat float32 values."""
     q = unpack_bits(packed, bits).view(-1, group_size)
     return (q.float() * scale.float().unsqueeze(1) + lo.float().unsqueeze(1)).view(-1)
 
