@@ -7,26 +7,19 @@ halves are kept compressed once and the product derived from them, as for Llama'
 """
 from transformers.models.modernbert.modeling_modernbert import ModernBertMLP
 
-from hf_division.patching.primitives import config_for, gated_product, in_training, unpatched_forward, wrap_forward
+from hf_division.patching.primitives import patch_gated_body
 from hf_division.registry import register
 
 from .common import ENCODER_DEFAULTS, encoder_patcher, with_patches
 
 
+def _glu(mlp, hidden_states, product):
+    gate, up = mlp.Wi(hidden_states).chunk(2, dim=-1)
+    return mlp.Wo(mlp.drop(product(gate, up)))
+
+
 def _patch_glu(state, mlp: ModernBertMLP) -> None:
-    config = config_for(state, mlp)
-    act_forward = unpatched_forward(mlp.act)  # recomputed in backward
-
-    def make(orig):
-        def forward(self, hidden_states):
-            if not (in_training(self) and config.bits("activation")):
-                return orig(hidden_states)
-            a, g = self.Wi(hidden_states).chunk(2, dim=-1)
-            return self.Wo(self.drop(gated_product(act_forward, False, config, a, g)))
-
-        return forward
-
-    wrap_forward(state, mlp, make)
+    patch_gated_body(state, mlp, mlp.act, _glu)
 
 
 apply_division_to_modernbert = register("modernbert", defaults=ENCODER_DEFAULTS)(

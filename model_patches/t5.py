@@ -12,29 +12,22 @@ The gated feed-forward differs from Llama's only in names and in a dropout betwe
 import torch
 from transformers.models.t5.modeling_t5 import T5DenseGatedActDense, T5LayerNorm
 
-from hf_division.patching.primitives import config_for, gated_product, in_training, unpatched_forward, wrap_forward
+from hf_division.patching.primitives import patch_gated_body
 from hf_division.registry import register
 
 from .common import DECODER_DEFAULTS, encoder_patcher, with_patches
 
 
-def _patch_gated_ff(state, ff: T5DenseGatedActDense) -> None:
+def _gated_ff(ff, x, product):
     """``wo(dropout(act(wi_0(x)) * wi_1(x)))``: gate and up kept compressed once, product derived."""
-    config = config_for(state, ff)
-    act_forward = unpatched_forward(ff.act)  # recomputed in backward
+    h = ff.dropout(product(ff.wi_0(x), ff.wi_1(x)))
+    if h.dtype != ff.wo.weight.dtype and ff.wo.weight.dtype != torch.int8:
+        h = h.to(ff.wo.weight.dtype)  # T5 keeps ``wo`` in float32 (as the original forward)
+    return ff.wo(h)
 
-    def make(orig):
-        def forward(self, x):
-            if not (in_training(self) and config.bits("activation")):
-                return orig(x)
-            h = self.dropout(gated_product(act_forward, False, config, self.wi_0(x), self.wi_1(x)))
-            if h.dtype != self.wo.weight.dtype and self.wo.weight.dtype != torch.int8:
-                h = h.to(self.wo.weight.dtype)  # T5 keeps ``wo`` in float32 (as the original forward)
-            return self.wo(h)
 
-        return forward
-
-    wrap_forward(state, ff, make)
+def _patch_gated_ff(state, ff: T5DenseGatedActDense) -> None:
+    patch_gated_body(state, ff, ff.act, _gated_ff)
 
 
 apply_division_to_t5 = register("t5", defaults=DECODER_DEFAULTS)(

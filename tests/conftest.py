@@ -24,6 +24,17 @@ def tiny_model(model_type: str, attn: str = "eager", seed: int = 0, **kw):
         raise
 
 
+def eval_before_and_after(model, inputs: dict, change):
+    """``(output before, output after change(model))`` of ``model`` in eval mode under ``no_grad``:
+    what the promise of an untouched eval forward compares."""
+    model.eval()
+    with torch.no_grad():
+        before = model(**inputs)
+    change(model)
+    with torch.no_grad():
+        return before, model(**inputs)
+
+
 @pytest.fixture
 def batch():
     return tiny_batch()

@@ -17,6 +17,8 @@ from hf_division.kernels import configured
 from hf_division.analysis.measure import held_bytes
 from hf_division.bench.suites import cuda as cuda_suite
 
+from conftest import eval_before_and_after
+
 #: HF_DIVISION_TEST_DEVICE=cpu runs these on the CPU (to check the tests themselves)
 DEV = os.environ.get("HF_DIVISION_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(DEV == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -76,14 +78,8 @@ def test_training_gradient_close_and_fewer_bytes(amp):
 
 
 def test_eval_bit_identical_and_removal_restores():
-    model = llama()
-    inputs = batch()
-    model.eval()
-    with torch.no_grad():
-        ref = model(**inputs)
-    hd.apply_division(model)
-    with torch.no_grad():
-        out = model(**inputs)
+    model, inputs = llama(), batch()
+    ref, out = eval_before_and_after(model, inputs, hd.apply_division)
     assert torch.equal(out.logits, ref.logits) and torch.equal(out.loss, ref.loss)
     hd.remove_division(model)
     model.train()

@@ -214,6 +214,28 @@ def gated_product(act, up_first: bool, config: DivisionConfig, gate, up):
     return GatedFn.apply(act, up_first, config, gate, up)
 
 
+def patch_gated_body(state: PatchState, mlp: nn.Module, act: nn.Module, body) -> None:
+    """A gated feed-forward wired differently from :func:`patch_gated_mlp` (T5's ``wi_0``/``wi_1``,
+    ModernBERT's fused ``Wi``): in a training forward with activation inputs compressed, ``mlp``
+    runs ``body(mlp, x, product)``, where ``product(gate, up)`` is :func:`gated_product` with
+    ``act``'s unpatched forward (recomputed in backward); otherwise its own forward."""
+    config = config_for(state, mlp)
+    act_forward = unpatched_forward(act)
+
+    def product(gate, up):
+        return gated_product(act_forward, False, config, gate, up)
+
+    def make(orig):
+        def forward(self, x):
+            if not (in_training(self) and config.bits("activation")):
+                return orig(x)
+            return body(self, x, product)
+
+        return forward
+
+    wrap_forward(state, mlp, make)
+
+
 def patch_root(state: PatchState, model: nn.Module, repatch) -> None:
     """The model's own forward: in training, (1) modules added after patching (PEFT's
     ``get_peft_model`` after ``apply_division`` adds ``lora_A``/``lora_B``) get patched before they

@@ -10,6 +10,8 @@ from hf_division.autograd import lm_loss
 from hf_division.autograd.lm_loss import CausalLMLossFn, head_of
 from hf_division.analysis.measure import held_bytes
 
+from conftest import eval_before_and_after
+
 EXACT = DivisionConfig(linear_bits=0, attention_bits=0, activation_bits=0, norm_bits=0)
 VOCAB = 3000
 
@@ -128,14 +130,7 @@ def test_custom_loss_function_is_left_alone_and_patching_is_reversible():
 
 
 def test_eval_and_sequence_classification_are_untouched():
-    model = tiny_llama()
-    inputs = batch()
-    model.eval()
-    with torch.no_grad():
-        ref = model(**inputs)
-    apply_division(model)
-    with torch.no_grad():
-        out = model(**inputs)
+    ref, out = eval_before_and_after(tiny_llama(), batch(), apply_division)
     assert torch.equal(out.logits, ref.logits) and torch.equal(out.loss, ref.loss)
     classifier = tiny_llama(cls=LlamaForSequenceClassification)
     apply_division(classifier)

@@ -12,14 +12,13 @@ and 2 (``measure_activation_memory``) and the minimum gradient cosine over ``--s
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import warnings
 
 from hf_division.config import DivisionConfig
 from hf_division.registry import supported_model_types, unregistered
 from hf_division.bench.tiny_models import has_impl, tiny_batch, tiny_model
-from hf_division.bench.suites.common import measure_config, set_threads, write_json
+from hf_division.bench.suites.common import measure_config, set_threads, suite_parser, write_json
 
 IMPLS = ("eager", "sdpa")
 #: real pretrained weights measured for the type (docs/RESULTS.md)
@@ -61,8 +60,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m hf_division.bench architectures", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = suite_parser("architectures", __doc__)
     ap.add_argument("--types", nargs="+", default=None, help="model types (default: every registered one)")
     ap.add_argument("--generic", action="store_true", help="measure the generic fallback instead")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])

@@ -19,11 +19,11 @@ import torch.nn.functional as F
 
 from hf_division.autograd import sdpa_backward
 from hf_division.analysis.timing import interleaved_times, timed
+from hf_division.bench.suites.common import suite_parser
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m hf_division.bench attention-backward", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = suite_parser("attention-backward", __doc__)
     for name, default in (("batch", 32), ("seq", 128), ("heads", 9), ("kv-heads", 3), ("head-dim", 64),
                           ("rounds", 15), ("threads", 2)):
         ap.add_argument(f"--{name}", type=int, default=default)

@@ -12,7 +12,6 @@ that width (for ActNN its uniform 2 bits); other budgets with the uniform widths
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import sys
@@ -22,7 +21,7 @@ from hf_division.analysis.auto_precision import assign, measure_sensitivity
 from hf_division.config import KINDS, DivisionConfig
 from hf_division.bench.textdata import classification_batch, sst2_rows
 from hf_division.bench.zoo import build_classifier, minilm_tokenizer
-from hf_division.bench.suites.common import measure_config, read_json, set_threads, write_json
+from hf_division.bench.suites.common import measure_config, read_json, set_threads, suite_parser, write_json
 
 #: base policies compared (``division-nolfc``: DIVISION without its LFC, i.e. block_size 1)
 VARIANTS = {"division": {}, "division-nolfc": {"block_size": 1}, "actnn-all": {"method": "actnn-all"}}
@@ -125,8 +124,7 @@ def run_method(model, calib, evaluate, method: str, args, rows: list, assignment
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m hf_division.bench auto-precision", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = suite_parser("auto-precision", __doc__)
     ap.add_argument("--data", default="../shared/data/glue/SST-2/dev.tsv")
     ap.add_argument("--methods", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--budgets", nargs="+", type=float, default=[2.0, 3.0, 4.0])

@@ -11,17 +11,15 @@ for those within the budget, the median step time (interleaved rounds), and the 
 """
 from __future__ import annotations
 
-import argparse
 
 from hf_division.analysis.budget import suggest
 from hf_division.bench.textdata import BUNDLED_SST2_DEV, classification_batch, sst2_rows
 from hf_division.bench.zoo import build_classifier, minilm_tokenizer
-from hf_division.bench.suites.common import set_threads
+from hf_division.bench.suites.common import set_threads, suite_parser
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m hf_division.bench budget", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = suite_parser("budget", __doc__)
     ap.add_argument("--model", default="minilm")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=128)

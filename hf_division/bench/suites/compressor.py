@@ -14,7 +14,6 @@ against comparing it with 0 first, unpacking by a table-row gather against a shi
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -26,7 +25,7 @@ from hf_division.quant.codecs import encode_tokens
 from hf_division.quant.rounding import noise_words, uniform
 from hf_division.quant.packing import pack_mask, unpack_bits, unpack_mask
 from hf_division.analysis.timing import median_time
-from hf_division.bench.suites.common import set_threads
+from hf_division.bench.suites.common import set_threads, suite_parser
 
 
 def compressor_times(x) -> dict:
@@ -83,8 +82,7 @@ def mask_times(x) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m hf_division.bench compressor", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = suite_parser("compressor", __doc__)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     set_threads(args.threads)

@@ -36,6 +36,7 @@ from hf_division.analysis.measure import account
 from hf_division.bench.peak import step_peak
 from hf_division.bench.textdata import random_tokens
 from hf_division.analysis.timing import interleaved_medians, timed
+from hf_division.bench.suites.common import suite_parser
 
 ARMS = ("none", "checkpointing", "division", "division+checkpointing")
 
@@ -128,8 +129,7 @@ def parse_size(text: str) -> tuple[int, int]:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m hf_division.bench cuda", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = suite_parser("cuda", __doc__)
     ap.add_argument("--shapes", nargs="+", default=["smollm2", "llama-1b"], choices=list(SHAPES))
     ap.add_argument("--sizes", nargs="+", type=parse_size, default=[(8, 1024), (4, 2048)])
     ap.add_argument("--autocast", default="bf16", choices=list(_AUTOCAST))

@@ -26,7 +26,6 @@ the adapter gradients. ``--set``: DivisionConfig fields as JSON (default: the fa
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -40,7 +39,7 @@ from hf_division.analysis.fidelity import cosine, flat_grad
 from hf_division.analysis.measure import measure_activation_memory
 from hf_division.bench.textdata import causal_lm_batch
 from hf_division.bench.zoo import GGUF_FILE, load_smollm2
-from hf_division.bench.suites.common import measure_config, set_threads
+from hf_division.bench.suites.common import measure_config, set_threads, suite_parser
 
 _AUTOCAST = {"none": None, "bf16": torch.bfloat16}
 
@@ -81,8 +80,7 @@ def draws(model, batch: dict, config: DivisionConfig | None, n: int, autocast, s
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m hf_division.bench decoder", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = suite_parser("decoder", __doc__)
     ap.add_argument("tsv", help="GLUE TSV with a 'sentence' column, e.g. ../shared/data/glue/SST-2/dev.tsv")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)

@@ -11,14 +11,13 @@ hidden-state masks) summed, and a check that both give the same bits and the sam
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 
 from hf_division.kernels import native
 from hf_division.quant.packing import pack_mask
 from hf_division.analysis.timing import median_time
-from hf_division.bench.suites.common import set_threads
+from hf_division.bench.suites.common import set_threads, suite_parser
 
 #: one MiniLM-L6 step at 32 x 128: (shape, how many such draws)
 STEP = {"attention (32, 12, 128, 128)": ((32, 12, 128, 128), 6), "hidden (32, 128, 384)": ((32, 128, 384), 13)}
@@ -43,8 +42,7 @@ def draw_times(shape, rounds: int) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m hf_division.bench draws", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = suite_parser("draws", __doc__)
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=7)
     args = ap.parse_args(argv)

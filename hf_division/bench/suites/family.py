@@ -17,13 +17,12 @@ Each row: policy (changes from the default), min cosine over seeds, bytes ratio 
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 
 from hf_division.config import DivisionConfig
 from hf_division.bench.textdata import causal_lm_batch
 from hf_division.bench.zoo import FAMILIES, family_model, load_smollm2
-from hf_division.bench.suites.common import measure_config, set_threads
+from hf_division.bench.suites.common import measure_config, set_threads, suite_parser
 
 ALL4 = dict(linear_bits=4, attention_bits=4, activation_bits=4, norm_bits=4)
 POLICIES = {
@@ -68,8 +67,7 @@ def run_seeds(family: str, model_seeds, names, seeds):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m hf_division.bench family", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = suite_parser("family", __doc__)
     ap.add_argument("--families", nargs="*", default=list(FAMILIES))
     ap.add_argument("--policies", nargs="+", default=list(POLICIES), help="names from POLICIES")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])

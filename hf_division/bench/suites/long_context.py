@@ -28,7 +28,7 @@ from hf_division.analysis.measure import account
 from hf_division.bench.peak import forked, run_clean, step_peak
 from hf_division.bench.textdata import causal_lm_batch
 from hf_division.bench.zoo import load_smollm2
-from hf_division.bench.suites.common import set_threads, write_json
+from hf_division.bench.suites.common import set_threads, suite_parser, write_json
 
 ARMS = ("none", "checkpointing", "division", "division + checkpointing")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
@@ -98,8 +98,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    ap = argparse.ArgumentParser(prog="python -m hf_division.bench long-context", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = suite_parser("long-context", __doc__)
     ap.add_argument("--tsv", help="GLUE-style TSV whose sentences become the text (required unless --from-json)")
     ap.add_argument("--from-json", nargs="+", metavar="JSON",
                     help="merge the rows of earlier --out files and print/plot them instead of measuring")

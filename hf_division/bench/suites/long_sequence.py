@@ -9,17 +9,15 @@ Batch 4 at <= 512 tokens, 1 above.
 """
 from __future__ import annotations
 
-import argparse
 
 from hf_division.config import DivisionConfig
 from hf_division.bench.textdata import random_tokens
 from hf_division.bench.zoo import LLAMA_SHAPE, build_classifier
-from hf_division.bench.suites.common import measure_config, set_threads
+from hf_division.bench.suites.common import measure_config, set_threads, suite_parser
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m hf_division.bench long-sequence", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = suite_parser("long-sequence", __doc__)
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
     ap.add_argument("--attn", nargs="+", default=["eager", "sdpa"])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])

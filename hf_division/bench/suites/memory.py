@@ -23,6 +23,7 @@ from hf_division.api import apply_division
 from hf_division.bench.peak import forked, run_clean
 from hf_division.integrations.step_log import rss
 from hf_division.bench.zoo import build_classifier
+from hf_division.bench.suites.common import suite_parser
 
 METHODS = ("baseline", "division")
 
@@ -59,8 +60,7 @@ def rss_held(args, method: str) -> int:
 
 
 def parse(argv):
-    ap = argparse.ArgumentParser(prog="python -m hf_division.bench memory", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = suite_parser("memory", __doc__)
     ap.add_argument("--model", help="model folder (default: real MiniLM-L6)")
     ap.add_argument("--config", default="minilm", choices=["minilm", "bert-base-2l"])
     ap.add_argument("--batch", type=int, default=32)

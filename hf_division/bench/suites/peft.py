@@ -10,7 +10,6 @@ N(0, 0.02) first, as a model some steps into training has them.
 """
 from __future__ import annotations
 
-import argparse
 
 import peft
 import torch
@@ -18,7 +17,7 @@ import torch
 from hf_division.analysis.fidelity import gradient_cosine
 from hf_division.bench.textdata import classification_batch, sst2_rows
 from hf_division.bench.zoo import build_classifier, minilm_tokenizer
-from hf_division.bench.suites.common import measure_config, set_threads
+from hf_division.bench.suites.common import measure_config, set_threads, suite_parser
 
 
 def methods() -> dict:
@@ -38,8 +37,7 @@ def is_adapter(name: str) -> bool:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m hf_division.bench peft", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = suite_parser("peft", __doc__)
     ap.add_argument("--data", required=True, help="SST-2 TSV (sentence<TAB>label)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=128)

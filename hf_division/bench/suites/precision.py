@@ -15,7 +15,6 @@ For fp16 it also compares the LFC stored in bf16 (default) and in fp16.
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 
@@ -25,7 +24,7 @@ from hf_division.analysis.measure import measure_activation_memory
 from hf_division.api import apply_division, remove_division
 from hf_division.bench.textdata import BUNDLED_SST2_DEV, classification_batch, random_tokens, sst2_rows
 from hf_division.bench.zoo import LLAMA_SHAPE, build_classifier, minilm_tokenizer
-from hf_division.bench.suites.common import set_threads, write_json
+from hf_division.bench.suites.common import set_threads, suite_parser, write_json
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -68,8 +67,7 @@ def measure(model, batch, precision: str, seeds, config: DivisionConfig) -> dict
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m hf_division.bench precision", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = suite_parser("precision", __doc__)
     ap.add_argument("--models", nargs="+", default=["minilm", "llama"], choices=["minilm", "llama"])
     ap.add_argument("--precisions", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])

@@ -15,7 +15,6 @@ peak at the largest batch minus at the smallest. Step time: median over the warm
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -29,7 +28,7 @@ from hf_division.bench.peak import MALLOC_ENV
 from hf_division.integrations.launcher import STEP_LOG_ENV
 from hf_division.bench.textdata import sft_texts
 from hf_division.bench.zoo import save_smollm2
-from hf_division.bench.suites.common import write_json
+from hf_division.bench.suites.common import suite_parser, write_json
 
 #: arm name -> extra arguments of sft.py
 ARMS = {
@@ -75,8 +74,7 @@ def summarize(records: list[dict], warmup: int) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m hf_division.bench trl-sft", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = suite_parser("trl-sft", __doc__)
     ap.add_argument("--tsv", required=True, help="GLUE TSV whose sentences make the training texts")
     ap.add_argument("--model", help="model folder (default: SmolLM2 written to a temporary folder)")
     ap.add_argument("--steps", type=int, default=50, help="steps of the timed arms at the largest batch")

@@ -12,7 +12,7 @@ python -m hf_division.bench step-time --model llama-4l --plain-rotary   # also d
 python -m hf_division.bench step-time --nearest   # also division rounding to nearest: the floor of any noise generator
 python -m hf_division.bench step-time --control   # also a second unpatched copy of the model: the A/A spread of this run
 python -m hf_division.bench step-time --split   # also the forward (up to the loss) and the backward apart
-python -m hf_division.bench step-time --json docs/results/step_time.json   # also every round's seconds, per arm
+python -m hf_division.bench step-time --json docs/results/step_time/NAME.json   # also every round's seconds, per arm
 
 Real MiniLM-L6 by default. Each round times one step (forward + backward) of every method in
 turn, so machine noise hits all methods alike; the report gives each method's median, its ratio
@@ -39,7 +39,7 @@ from hf_division.api import apply_division
 from hf_division.autograd.store import COMPRESS_LABEL, REBUILD_LABEL
 from hf_division.analysis.timing import interleaved_times, quartile_ratios, round_ratios, timed
 from hf_division.bench.zoo import DESCRIPTION, SHAPES, build_classifier, minilm_tokenizer
-from hf_division.bench.suites.common import write_json
+from hf_division.bench.suites.common import suite_parser, write_json
 
 
 def step(model, batch, forward_seconds: list | None = None) -> None:
@@ -52,8 +52,7 @@ def step(model, batch, forward_seconds: list | None = None) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m hf_division.bench step-time", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = suite_parser("step-time", __doc__)
     ap.add_argument("--model", default="minilm", choices=["minilm", *SHAPES], help="real MiniLM or a random-init shape")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq", type=int, default=128)
@@ -66,17 +65,9 @@ def parser() -> argparse.ArgumentParser:
                     help="also report the forward (up to the loss) and the backward of each step apart")
     ap.add_argument("--token-chunks", type=int, nargs="*", default=[],
                     help="also time division at these compiled chunk sizes (elements; hf_division.kernels.compiled.TOKEN_CHUNK)")
-    ap.add_argument("--aten-draws", action="store_true",
-                    help="also time division drawing dropout masks with ATen's bernoulli_ (the native_draws switch: hf_division.kernels.configure)")
-    ap.add_argument("--generic-norm", action="store_true",
-                    help="also time division with Llama-form RMSNorms on the generic recomputation "
-                         "(the rms_norm_backward switch)")
-    ap.add_argument("--rebuilt-gated", action="store_true",
-                    help="also time division with the SiLU-gated MLP's gate and up rebuilt as tensors in backward "
-                         "(the gated_from_codes switch)")
-    ap.add_argument("--plain-rotary", action="store_true",
-                    help="also time division with the model's rotary embedding run under autograd, not as one "
-                         "native pass each way (the rotary switch)")
+    for flag, (switch, what) in SWITCHED_OFF.items():
+        ap.add_argument(f"--{flag}", action="store_true",
+                        help=f"also time division with {what} (the {switch} switch off: hf_division.kernels.configure)")
     ap.add_argument("--nearest", action="store_true",
                     help="also time division rounding its codes to nearest (division_rounding nearest): "
                          "the step a rounding-noise generator that cost nothing would leave")
@@ -87,6 +78,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--glue-dir", help="GLUE folder (with --task)")
     ap.add_argument("--task", help="time real batches of this two-label GLUE task's train split (needs --glue-dir)")
     return ap
+
+
+#: flag -> (the fast path it times division without: its switch, what runs instead); arm ``division-<flag>``
+SWITCHED_OFF = {
+    "aten-draws": ("native_draws", "dropout masks drawn by ATen's bernoulli_"),
+    "generic-norm": ("rms_norm_backward", "Llama-form RMSNorms on the generic recomputation"),
+    "rebuilt-gated": ("gated_from_codes", "the SiLU-gated MLP's gate and up rebuilt as tensors in backward"),
+    "plain-rotary": ("rotary", "the model's rotary embedding run under autograd, not one native pass each way"),
+}
 
 
 def build_methods(args, dc: DivisionConfig) -> tuple[dict, dict]:
@@ -100,10 +100,9 @@ def build_methods(args, dc: DivisionConfig) -> tuple[dict, dict]:
         methods["baseline-copy"] = copy.deepcopy(base)
     if args.nearest:
         methods["division-nearest"] = apply_division(copy.deepcopy(base), dataclasses.replace(dc, rounding="nearest"))
-    for flag, arm in ((args.aten_draws, "division-aten-draws"), (args.generic_norm, "division-generic-norm"),
-                      (args.rebuilt_gated, "division-rebuilt-gated"), (args.plain_rotary, "division-plain-rotary")):
-        if flag:
-            methods[arm] = methods["division"]
+    for flag in SWITCHED_OFF:
+        if getattr(args, flag.replace("-", "_")):
+            methods[f"division-{flag}"] = methods["division"]
     chunks = {"division": fused.TOKEN_CHUNK}
     for size in args.token_chunks:
         chunks[f"division@{size}"] = size
@@ -127,8 +126,7 @@ def main(argv=None):
     def seconds(name):
         model, batch = methods[name], current["batch"]
         fused.TOKEN_CHUNK = chunks.get(name, chunks["division"])
-        with configured(native_draws=name != "division-aten-draws", rms_norm_backward=name != "division-generic-norm",
-                        gated_from_codes=name != "division-rebuilt-gated", rotary=name != "division-plain-rotary"):
+        with configured(**{switch: name != f"division-{flag}" for flag, (switch, _) in SWITCHED_OFF.items()}):
             dt = timed(lambda: step(model, batch, forward[name]))
         model.zero_grad(set_to_none=True)
         return dt

@@ -99,9 +99,9 @@ static inline void prefetch_row(const Shape *s, const float *x, int64_t tt, int6
  * applies (*row_map, to free): encoding reads a padding token from its sequence's last token,
  * decoding skips it. Computed once per call: a division per token and tile cost more than the kernel. */
 static Shape make_shape(int64_t m, int64_t t, int64_t c, int64_t block, int64_t group, int bits, int lfc_kind,
-                        int for_decode, int64_t **row_map) {
+                        int for_decode, const float *row_scale, int64_t **row_map) {
     int64_t tp = (t + block - 1) / block * block;
-    Shape s = {m * tp, c, block, group, bits, lfc_kind, -1, NULL, NULL};
+    Shape s = {m * tp, c, block, group, bits, lfc_kind, -1, NULL, row_scale};
     for (int k = 0; k < 62; k++)
         if ((int64_t)1 << k == block) s.block_shift = k;
     *row_map = NULL;
@@ -276,14 +276,13 @@ static void encode_tile(const Shape *s, const float *x, int64_t g, int64_t j0, v
 int64_t hfd_encode_tile(void) { return TILE; }
 
 /* x: (M*T, C) float32; lfc: (M*Tp / block, C) or NULL; lo, scale: (groups, C) bf16 bits; codes:
- * the full groups' then the last group's words (compressor._code_bytes); row_scale: (M*T,) or NULL;
+ * the full groups' then the last group's words (quant.packed.code_bytes); row_scale: (M*T,) or NULL;
  * absmax: (M*T, ceil(C / TILE)) float32, each token's max |x| per tile of channels, or NULL. */
 void hfd_encode_tokens(const float *x, int64_t m, int64_t t, int64_t c, int64_t block, int64_t group, int bits,
                        int lfc_kind, void *lfc, uint16_t *lo, uint16_t *scale, uint8_t *codes, int stochastic,
                        uint32_t seed, const float *row_scale, float *absmax, int threads) {
     int64_t *row_map;
-    Shape s = make_shape(m, t, c, block, group, bits, lfc_kind, 0, &row_map);
-    s.row_scale = row_scale;
+    Shape s = make_shape(m, t, c, block, group, bits, lfc_kind, 0, row_scale, &row_map);
     int64_t groups = (s.n + group - 1) / group, tiles = (c + TILE - 1) / TILE;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t item = 0; item < groups * tiles; item++)
@@ -337,8 +336,7 @@ void hfd_decode_tokens(float *out, int64_t m, int64_t t, int64_t c, int64_t bloc
                        int lfc_kind, const void *lfc, const uint16_t *lo, const uint16_t *scale,
                        const uint8_t *codes, const float *row_scale, int threads) {
     int64_t *row_map;
-    Shape s = make_shape(m, t, c, block, group, bits, lfc_kind, 1, &row_map);
-    s.row_scale = row_scale;
+    Shape s = make_shape(m, t, c, block, group, bits, lfc_kind, 1, row_scale, &row_map);
     int64_t groups = (s.n + group - 1) / group, tiles = (c + DECODE_TILE - 1) / DECODE_TILE;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t item = 0; item < groups * tiles; item++)
