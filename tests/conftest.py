@@ -36,5 +36,15 @@ def eval_before_and_after(model, inputs: dict, change):
 
 
 @pytest.fixture
+def enabled_division():
+    """``hf_division.enable()`` for the test, ``disable()`` after it."""
+    import hf_division
+
+    hf_division.enable()
+    yield
+    hf_division.disable()
+
+
+@pytest.fixture
 def batch():
     return tiny_batch()

@@ -4,11 +4,12 @@
     python -m hf_division.integrations.launcher SCRIPT.py [ARGS]
     accelerate launch -m hf_division.integrations.launcher SCRIPT.py [ARGS]
 
-Before the script runs, ``transformers.TrainingArguments`` / ``Seq2SeqTrainingArguments`` are
-replaced by the hf-division subclasses (so the script's own ``HfArgumentParser`` accepts
-``--division`` and every ``--division_<field>``), and :class:`~hf_division.integrations.trainer.DivisionCallback`
-joins Transformers' default callbacks (so any ``Trainer`` the script builds applies division when
-training begins). The script then runs as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]``.
+Before the script runs, :func:`hf_division.enable` does what it does in a Python session: every
+``TrainingArguments`` class (Transformers', TRL's, sentence-transformers', the script's own) takes
+``division`` and every ``division_<field>``, so the script's own ``HfArgumentParser`` accepts
+``--division --division_block_size 16 ...``, and :class:`~hf_division.integrations.trainer.DivisionCallback`
+joins Transformers' default callbacks, so any ``Trainer`` the script builds applies division when
+training begins. The script then runs as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]``.
 """
 from __future__ import annotations
 
@@ -17,11 +18,9 @@ import runpy
 import sys
 
 import transformers.trainer as hf_trainer
-import transformers.training_args as hf_training_args
-import transformers.training_args_seq2seq as hf_seq2seq_args
 
 from hf_division.integrations.step_log import StepLog
-from hf_division.integrations.trainer import DivisionCallback, Seq2SeqTrainingArguments, TrainingArguments
+from hf_division.integrations.trainer import enable
 
 #: environment variable: a path to which every Trainer the script builds logs each step (:class:`StepLog`)
 STEP_LOG_ENV = "HF_DIVISION_STEP_LOG"
@@ -30,18 +29,11 @@ _INSTALLED = False
 
 
 def install() -> None:
-    """Make ``transformers`` hand out the division-aware argument classes and callback. Idempotent."""
+    """:func:`hf_division.enable`, and the step log if :data:`STEP_LOG_ENV` names a file. Idempotent."""
     global _INSTALLED
     if _INSTALLED:
         return
-    # the module object as it is now: importing ``transformers.modeling_layers`` (as patching does)
-    # puts a new ``transformers`` module in ``sys.modules``, which a user's script then imports
-    transformers = sys.modules["transformers"]
-    for module in (transformers, hf_training_args):
-        module.TrainingArguments = TrainingArguments
-    for module in (transformers, hf_seq2seq_args):
-        module.Seq2SeqTrainingArguments = Seq2SeqTrainingArguments
-    hf_trainer.DEFAULT_CALLBACKS.append(DivisionCallback)
+    enable()
     if os.environ.get(STEP_LOG_ENV):
         hf_trainer.DEFAULT_CALLBACKS.append(StepLog(os.environ[STEP_LOG_ENV]))
     _INSTALLED = True
