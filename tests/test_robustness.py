@@ -1,4 +1,4 @@
-"""Reliability (docs/GUIDE.md, "Guarantees"): copies and pickles train themselves, higher-order
+"""Reliability (docs/GUIDE.md, "Limits and guarantees"): copies and pickles train themselves, higher-order
 gradients fail naming hf-division, never more bytes than the baseline, no fp16 overflow from the
 norm rebuild, shared configs, strict config types, script arguments, per-model noise, and a
 forward or backward interrupted half-way leaves nothing behind."""
@@ -245,3 +245,51 @@ def test_interrupted_step_leaves_nothing_behind(where, error, batch):
     remove_division(model)
     assert not any("forward" in m.__dict__ for m in model.modules())
     assert torch.equal(eval_logits(model, batch), plain)
+
+
+def _instance_forwards(model) -> int:
+    return sum("forward" in m.__dict__ for m in model.modules())
+
+
+def test_a_forward_removed_by_another_library_is_patched_again(batch):
+    """What Transformers' hub-kernel support does to the layers it marks at a train/eval switch
+    (drops their instance forward, ours included): the next training forward patches them again,
+    with the bytes and gradients of the model before, and remove_division still restores it exactly."""
+    model = apply_division(tiny_model("bert").train())
+
+    def step():
+        reseed(0)
+        torch.manual_seed(0)  # dropout
+        model.zero_grad()
+        model(**batch).loss.backward()
+        return held_bytes(model, batch)[0], [p.grad.clone() for p in model.parameters()]
+
+    held, grads = step()
+    gelus = [m for m in model.modules() if type(m).__name__ == "GELUActivation"]
+    assert gelus and all("forward" in m.__dict__ for m in gelus)
+    for m in gelus:
+        del m.forward  # as kernels' re-kernelization does where no hub kernel applies
+    again, regrads = step()
+    assert again == held and all("forward" in m.__dict__ for m in gelus)
+    assert all(torch.equal(a, b) for a, b in zip(grads, regrads))
+    remove_division(model)
+    assert _instance_forwards(model) == 0
+
+
+def test_a_pretrained_model_patched_in_eval_mode_keeps_division_through_train(tmp_path, batch):
+    """``from_pretrained`` leaves a model in eval mode (with ``use_kernels`` where the ``kernels``
+    package is installed); the Trainer patches it, then calls ``model.train()``."""
+    from transformers import AutoModelForSequenceClassification
+
+    tiny_model("bert").save_pretrained(tmp_path)
+    model = AutoModelForSequenceClassification.from_pretrained(tmp_path)
+    assert not model.training
+    apply_division(model)
+    model.train()
+    reference = apply_division(tiny_model("bert").train())
+    assert held_bytes(model, batch)[0] == held_bytes(reference, batch)[0]
+    model.eval()
+    model.train()
+    assert held_bytes(model, batch)[0] == held_bytes(reference, batch)[0]
+    remove_division(model)
+    assert _instance_forwards(model) == 0

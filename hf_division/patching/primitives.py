@@ -72,11 +72,16 @@ def unpatched_forward(module: nn.Module):
 
 
 # ----------------------------------------------------------------------------- module wrappers
+def _wrapped(module: nn.Module) -> bool:
+    """Whether ``module``'s instance forward is one of ours."""
+    return getattr(getattr(module.__dict__.get("forward"), "__func__", None), "_division", False)
+
+
 def wrap_forward(state: PatchState, module: nn.Module, make_forward) -> None:
     """Replace ``module.forward`` by ``make_forward(original forward)`` (bound to ``module``), once:
     a module reached twice (shared) keeps the first wrapper."""
     previous = module.__dict__.get("forward")
-    if getattr(getattr(previous, "__func__", None), "_division", False):
+    if _wrapped(module):
         return  # already ours (a shared module reached twice)
     orig = module.forward
     new = make_forward(orig)
@@ -236,10 +241,25 @@ def patch_gated_body(state: PatchState, mlp: nn.Module, act: nn.Module, body) ->
     wrap_forward(state, mlp, make)
 
 
+def forget_lost(state: PatchState) -> bool:
+    """Drop the records of modules whose forward is no longer ours, so that patching again wraps
+    what they run now; whether there were any.
+
+    Why: Transformers' hub-kernel support (``use_kernels``, on for models from ``from_pretrained``
+    where the ``kernels`` package is installed) re-kernelizes the layers it marks (activations,
+    RMSNorm) at every train/eval switch and removes their instance forward where no kernel applies,
+    ours included: a model patched in eval mode lost them at the Trainer's first ``model.train()``."""
+    kept = [(m, previous) for m, previous in state.modules if _wrapped(m)]
+    lost = len(kept) != len(state.modules)
+    state.modules[:] = kept
+    return lost
+
+
 def patch_root(state: PatchState, model: nn.Module, repatch) -> None:
     """The model's own forward: in training, (1) modules added after patching (PEFT's
     ``get_peft_model`` after ``apply_division`` adds ``lora_A``/``lora_B``) get patched before they
-    run, by calling ``repatch`` when the module count changed; (2) every dropout, ``nn.Dropout`` or
+    run, by calling ``repatch`` when the module count changed, and modules whose forward another
+    library replaced since (:func:`forget_lost`) get patched again; (2) every dropout, ``nn.Dropout`` or
     functional (OPT calls ``F.dropout`` directly), keeps its mask as bits: the forward runs under a
     ``TorchFunctionMode`` that routes ``F.dropout`` to :class:`DropoutFn`; (3) the rounding noise
     comes from the model's own streams (:func:`~hf_division.compress.noise.model_stream`)."""
@@ -250,7 +270,7 @@ def patch_root(state: PatchState, model: nn.Module, repatch) -> None:
         def forward(self, *args, **kwargs):
             if not in_training(self):
                 return orig(*args, **kwargs)
-            if sum(1 for _ in self.modules()) != state.n_modules:
+            if sum(1 for _ in self.modules()) != state.n_modules or forget_lost(state):
                 repatch()
             with model_stream(self), BitDropout() if config.dropout_bits else contextlib.nullcontext():
                 return orig(*args, **kwargs)
