@@ -73,7 +73,7 @@ def _plain_copy(base: nn.Module, memo: dict | None = None):
     """``(deep copy of base as if unpatched, base's config)``; ``base`` is patched again after.
 
     Why: the patched forwards are closures over the modules they replaced, so a copy of them
-    would run the original's modules (docs/GUIDE.md, "Guarantees")."""
+    would run the original's modules (docs/GUIDE.md, "Limits and guarantees")."""
     config = division_config_of(base)
     remove_division(base)
     try:

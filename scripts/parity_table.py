@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Summarize ``scripts/glue_parity.sh`` runs: mean ± std of each task's GLUE metric per arm.
 
-    python scripts/parity_table.py out/parity [--markdown docs/results/parity_table.md]
+    python scripts/parity_table.py out/parity [--markdown docs/results/parity/TASKS.md]
 
 Reads every ``OUT/<task>_<arm>_s<seed>/division_report.json``; arms are compared in pairs
 (baseline vs division, lora-baseline vs lora-division). The parity bound is the project's

@@ -5,7 +5,7 @@ outside autograd (``once_differentiable``), so a second derivative through them 
 PyTorch alone would either raise an error that does not say why (``backward(create_graph=True)``)
 or, for ``torch.autograd.grad(..., create_graph=True)`` followed by a backward of the result, let
 the second-order terms through these ops vanish. A backward that runs with grad mode on is one
-asked to build a graph (``create_graph=True``): it raises instead (docs/GUIDE.md, "Guarantees").
+asked to build a graph (``create_graph=True``): it raises instead (docs/GUIDE.md, "Limits and guarantees").
 """
 from __future__ import annotations
 

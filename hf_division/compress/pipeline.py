@@ -230,7 +230,7 @@ def _encode_flat(x: torch.Tensor, x3: torch.Tensor, layout: Layout | None, seed,
 def _no_larger(p: Packed, x: torch.Tensor) -> Packed:
     """``p``, or ``x`` kept as it is (``bits == 0``) when ``p`` would hold as many bytes or more:
     short rows padded to a block, tiny groups and narrow dtypes at 8 bits can cost more than the
-    tensor (docs/GUIDE.md, "Guarantees")."""
+    tensor (docs/GUIDE.md, "Limits and guarantees")."""
     if p.nbytes < x.numel() * x.element_size():
         return p
     return Packed.kept(x, p.block_size, p.group_size)

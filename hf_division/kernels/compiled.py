@@ -23,7 +23,7 @@ CHUNKS = (4096, 1024, 256)
 #: elements per compiled call of the token kernels: a chunk stays in cache across the kernel's
 #: passes (block sums, group ranges, codes); chunks 4x smaller take what is left, then one eager call.
 #: The results do not depend on it; 4x larger chunks (4x fewer guarded calls) were no faster
-#: (``step-time --token-chunks``; docs/RESULTS.md, "Step time and where it goes")
+#: (``step-time --token-chunks``; docs/RESULTS.md, "Where the time goes")
 TOKEN_CHUNK = 1 << 20
 
 _variant_ids = itertools.count()

@@ -2,7 +2,7 @@
 dtypes (fp32, bf16, fp16, values up to the dtype's range), bit widths, groupings, blocks and
 groups, ``decompress(compress(x))`` has ``x``'s shape and dtype, each element is within one
 quantization step of its group (plus the rounding to ``x``'s dtype), the bytes reported are the
-bytes held, and the compressed form is never larger than ``x`` (docs/GUIDE.md, "Guarantees")."""
+bytes held, and the compressed form is never larger than ``x`` (docs/GUIDE.md, "Limits and guarantees")."""
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -13,7 +13,7 @@ from hf_division.kernels import configured
 from hf_division.quant.exact_tokens import exceeds_median, outlier_candidates, outlier_tokens
 
 #: largest |x| generated per dtype: fp16 up to its maximum (fp16 activations reach it); fp32 and
-#: bf16 to 1e36, where ranges and block sums stay finite in float32 (GUIDE, "Guarantees")
+#: bf16 to 1e36, where ranges and block sums stay finite in float32 (GUIDE, "Limits and guarantees")
 LIMIT = {torch.float32: 1e36, torch.bfloat16: 1e36, torch.float16: torch.finfo(torch.float16).max}
 
 shapes = st.tuples(st.integers(1, 3), st.integers(1, 70), st.integers(1, 40))

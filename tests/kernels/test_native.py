@@ -405,7 +405,7 @@ def _vectorized_lines(flags: list) -> set:
 def test_silu_gated_loops_vectorize_with_the_build_flags():
     """The SiLU-gated kernel's two element loops (product; gradients) must compile to vector code:
     left scalar, they carried most of the Llama shape's backward overhead on an AVX2 machine
-    (docs/RESULTS.md, "Step time, the gated kernel vectorized")."""
+    (docs/RESULTS.md, "What each kernel buys" and "How these figures moved")."""
     lines = native.SOURCE.read_text().splitlines()
     loops = [i + 1 for i, line in enumerate(lines) if "for (int64_t j = 0; j < tj; j++)" in line
              and ("out_h[at + j]" in line or "float e = 1.0f + exp_f32" in lines[i + 1])]
