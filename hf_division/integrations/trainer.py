@@ -30,14 +30,18 @@ import transformers.trainer as hf_trainer
 from transformers.utils import logging
 
 from hf_division.api import apply_division, unwrap
-from hf_division.config import DivisionConfig
+from hf_division.config import Choice, DivisionConfig
 from hf_division.compress.noise import reseed, step_seed
 
 PREFIX = "division_"
 logger = logging.get_logger(__name__)
 
-#: values of ``division_checkpointing`` (docs/GUIDE.md, "Gradient accumulation and checkpointing")
-CHECKPOINTING = ("replace", "combine")
+class Checkpointing(Choice):
+    """What ``--division`` does when gradient checkpointing is on (``division_checkpointing``; docs/GUIDE.md,
+    "Gradient accumulation and checkpointing")."""
+
+    REPLACE = "replace"  # checkpointing off: every layer's activations kept compressed
+    COMBINE = "combine"  # both: layer inputs kept compressed, each layer recomputed in backward
 #: tokens per tile of TRL's fused LM head under division (``trl.kernels.chunked_logprob.TOKEN_CHUNK_SIZE``,
 #: 4096 in TRL 1.16): bounds its float32 logits tile, which would otherwise grow with the batch up to
 #: 4096 tokens and set the step's peak once the activations are compressed
@@ -52,7 +56,7 @@ def _division_fields():
     for f in dataclasses.fields(DivisionConfig):
         help_text = f"hf-division: {f.metadata['help']}"
         out.append((PREFIX + f.name, types[f.name], dataclasses.field(default=f.default, metadata={"help": help_text})))
-    out.append((PREFIX + "checkpointing", str, dataclasses.field(default="replace", metadata={"help": (
+    out.append((PREFIX + "checkpointing", Checkpointing, dataclasses.field(default=Checkpointing.REPLACE, metadata={"help": (
         "hf-division: what --division does when gradient checkpointing is on (TRL's default): 'replace' turns "
         "checkpointing off, every layer's activations are kept compressed (faster steps); 'combine' keeps it, "
         "layer inputs kept compressed and each layer recomputed in backward (least memory, slower).")})))
@@ -69,10 +73,10 @@ def _division_config(self) -> DivisionConfig:
 
 
 def check_division_args(args) -> None:
-    """Raise a ``ValueError`` naming the ``division_<field>`` argument of ``args`` that is invalid."""
-    mode = getattr(args, PREFIX + "checkpointing", "replace")
-    if mode not in CHECKPOINTING:
-        raise ValueError(f"{PREFIX}checkpointing must be one of {CHECKPOINTING}, got {mode!r}")
+    """Raise a ``ValueError`` naming the ``division_<field>`` argument of ``args`` that is invalid;
+    ``division_checkpointing`` becomes its :class:`Checkpointing` member."""
+    mode = getattr(args, PREFIX + "checkpointing", Checkpointing.REPLACE)
+    object.__setattr__(args, PREFIX + "checkpointing", Checkpointing.parse(mode, f"{PREFIX}checkpointing"))
     try:
         _division_config(args)
     except ValueError as err:  # name the argument the user wrote, not the config field
