@@ -293,3 +293,43 @@ def test_a_pretrained_model_patched_in_eval_mode_keeps_division_through_train(tm
     assert held_bytes(model, batch)[0] == held_bytes(reference, batch)[0]
     remove_division(model)
     assert _instance_forwards(model) == 0
+
+
+def _replace_parameters(model) -> None:
+    """Every parameter a new ``nn.Parameter`` object (the values kept), as ``load_state_dict(assign=True)``,
+    ``to_empty()`` followed by loading, and FSDP2's swaps around each forward leave a model."""
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+
+
+@pytest.mark.parametrize("model_type", ["bert", "llama"])
+@pytest.mark.parametrize("how", ["replaced", "assign"])
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+def test_parameters_replaced_after_patching_get_their_gradients(model_type, how, autocast, batch):
+    """Every parameter of a model patched and then given new parameter objects gets a gradient, the
+    one it gets when the parameters are replaced before patching (issue 42, item 1: the norm paths
+    held the objects of patch time, so their new weights got none, silently, under bf16 autocast)."""
+    def grads(replace_after: bool):
+        torch.manual_seed(0)
+        model = tiny_model(model_type).train()
+        if not replace_after:
+            _replace_parameters(model)
+        apply_division(model, DivisionConfig(rounding="nearest"))
+        if replace_after and how == "replaced":
+            _replace_parameters(model)
+        elif replace_after:
+            model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+        reseed(0)
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            loss = model(**batch).loss
+        loss.backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    before, after = grads(False), grads(True)
+    missing = sorted(n for n, g in after.items() if g is None)
+    assert missing == sorted(n for n, g in before.items() if g is None), missing
+    for name, g in after.items():
+        if g is not None:
+            torch.testing.assert_close(g, before[name], rtol=0, atol=0, msg=name)

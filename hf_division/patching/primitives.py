@@ -118,12 +118,14 @@ def patch_recompute(state: PatchState, module: nn.Module, kind: str) -> None:
     Llama's RMSNorm, as :func:`~hf_division.autograd.rms_norm.eps_of` finds it, through
     :func:`~hf_division.autograd.rms_norm.rms_norm`: its gradient written out)."""
     config = config_for(state, module)
-    params = tuple(module.parameters(recurse=False))
     exact_sign = isinstance(module, KINKED) or type(module).__name__ == "ReLUSquaredActivation"
     eps = rms_norm_eps(module) if kind == "norm" else None
 
     def make(orig):
         def forward(self, x):
+            # the parameters as they are now: loading with assign=True, to_empty() and FSDP2 put new
+            # parameter objects in place after patching, and the gradient must reach those
+            params = tuple(self.parameters(recurse=False))
             if in_training(self) and config.bits(kind) and (x.requires_grad or any(p.requires_grad for p in params)):
                 if kind == "norm" and layer_norm_takes(self):
                     return layer_norm(self, orig, config, x)
