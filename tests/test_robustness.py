@@ -333,3 +333,52 @@ def test_parameters_replaced_after_patching_get_their_gradients(model_type, how,
     for name, g in after.items():
         if g is not None:
             torch.testing.assert_close(g, before[name], rtol=0, atol=0, msg=name)
+
+
+def _replicate_on_cpu(network):
+    """What ``torch.nn.parallel.replicate`` does for one replica (it needs GPUs): each module copied
+    by ``_replicate_for_data_parallel``, children pointed at the copies, every parameter a tensor of
+    the replica's own (a leaf here, a broadcast there)."""
+    modules = list(network.modules())
+    copies = [m._replicate_for_data_parallel() for m in modules]
+    index = {m: i for i, m in enumerate(modules)}
+    for i, module in enumerate(modules):
+        for key, child in module._modules.items():
+            setattr(copies[i], key, copies[index[child]])
+        for key, param in module._parameters.items():
+            if param is None:
+                copies[i]._parameters[key] = None
+            else:
+                setattr(copies[i], key, param.detach().clone().requires_grad_(param.requires_grad))
+    return copies[0]
+
+
+@pytest.mark.parametrize("model_type", ["bert", "llama"])
+def test_data_parallel_replicas_run_their_own_modules(model_type, batch):
+    """Issue 42, item 3: a replica copies each module's instance dict, so the patched forwards were
+    the original modules' (their parameters, their devices). Each replica's gradient now reaches
+    its own tensors, equal to the original model's own step, and none reaches the original's."""
+    model = apply_division(tiny_model(model_type).train(), DivisionConfig(rounding="nearest"))
+    replica = _replicate_on_cpu(model)
+    reseed(0)
+    torch.manual_seed(1)
+    replica(**batch).loss.backward()
+    assert all(p.grad is None for p in model.parameters())
+    got = {n: t.grad for n, t in ((n, getattr(m, k)) for n, m, k in _tensor_names(replica))}
+    reseed(0)
+    torch.manual_seed(1)
+    model(**batch).loss.backward()
+    for name, p in model.named_parameters():
+        assert (p.grad is None) == (got[name] is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(got[name], p.grad, rtol=0, atol=0, msg=name)
+    remove_division(model)
+    assert "_replicate_for_data_parallel" not in model.__dict__
+
+
+def _tensor_names(replica):
+    """``(parameter name, module, attribute)`` of a replica's tensors, named as the model's parameters."""
+    for mod_name, module in replica.named_modules():
+        for key, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                yield (f"{mod_name}.{key}" if mod_name else key), module, key

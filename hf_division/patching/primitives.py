@@ -79,17 +79,45 @@ def _wrapped(module: nn.Module) -> bool:
 
 def wrap_forward(state: PatchState, module: nn.Module, make_forward) -> None:
     """Replace ``module.forward`` by ``make_forward(original forward)`` (bound to ``module``), once:
-    a module reached twice (shared) keeps the first wrapper."""
+    a module reached twice (shared) keeps the first wrapper. A replica made by ``DataParallel``
+    (``_replicate_for_data_parallel``, which copies the instance dict) gets a wrapper of its own
+    around its own original forward (:func:`_replicate`)."""
     previous = module.__dict__.get("forward")
     if _wrapped(module):
         return  # already ours (a shared module reached twice)
-    orig = module.forward
+    _install(module, module.forward, make_forward)
+    module.__dict__[REPLICATE] = types.MethodType(_replicate, module)
+    state.modules.append((module, previous))
+
+
+#: the ``nn.Module`` method ``DataParallel``'s ``replicate`` calls on every module
+REPLICATE = "_replicate_for_data_parallel"
+
+
+def _install(module: nn.Module, orig, make_forward) -> None:
     new = make_forward(orig)
     new._division = True
+    new._division_make, new._division_orig = make_forward, orig
     # keep the original signature visible (the Trainer picks dataset columns from it)
     new.__wrapped__ = getattr(orig, "__func__", orig)
-    module.forward = types.MethodType(new, module)
-    state.modules.append((module, previous))
+    module.__dict__["forward"] = types.MethodType(new, module)
+
+
+def _replicate(self: nn.Module) -> nn.Module:
+    """``nn.Module._replicate_for_data_parallel`` for a patched module: the replica shares this
+    module's instance dict, so its forward would be this module's wrapper, running this module's
+    original forward on this module's parameters; it gets its own, around its own forward."""
+    replica = type(self)._replicate_for_data_parallel(self)
+    if not _wrapped(self):  # another library removed our forward since: nothing of ours to carry over
+        replica.__dict__.pop(REPLICATE, None)
+        return replica
+    wrapper = self.__dict__["forward"].__func__
+    orig = wrapper._division_orig
+    if isinstance(orig, types.MethodType) and orig.__self__ is self:
+        orig = types.MethodType(orig.__func__, replica)
+    _install(replica, orig, wrapper._division_make)
+    replica.__dict__[REPLICATE] = types.MethodType(_replicate, replica)
+    return replica
 
 
 def patch_linear(state: PatchState, module: nn.Module, transposed: bool = False, kind: str = "linear") -> None:
@@ -120,12 +148,14 @@ def patch_recompute(state: PatchState, module: nn.Module, kind: str) -> None:
     config = config_for(state, module)
     exact_sign = isinstance(module, KINKED) or type(module).__name__ == "ReLUSquaredActivation"
     eps = rms_norm_eps(module) if kind == "norm" else None
+    names = [name for name, _ in module.named_parameters(recurse=False)]
 
     def make(orig):
         def forward(self, x):
-            # the parameters as they are now: loading with assign=True, to_empty() and FSDP2 put new
-            # parameter objects in place after patching, and the gradient must reach those
-            params = tuple(self.parameters(recurse=False))
+            # the parameters as they are now, by name: loading with assign=True, to_empty() and FSDP2
+            # put new parameter objects in place after patching, and a DataParallel replica holds its
+            # own as plain tensors; the gradient must reach those
+            params = tuple(p for p in (getattr(self, name) for name in names) if p is not None)
             if in_training(self) and config.bits(kind) and (x.requires_grad or any(p.requires_grad for p in params)):
                 if kind == "norm" and layer_norm_takes(self):
                     return layer_norm(self, orig, config, x)
@@ -387,6 +417,7 @@ def use_attention_interface(state: PatchState, model: nn.Module) -> None:
 
 def restore_forward(module: nn.Module, previous) -> None:
     """Undo one :func:`wrap_forward`: ``previous`` is the instance forward it replaced (None: none)."""
+    module.__dict__.pop(REPLICATE, None)
     if previous is None:
         module.__dict__.pop("forward", None)
     else:
