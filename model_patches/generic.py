@@ -1,7 +1,9 @@
 """Generic fallback for model types without a patcher (``DivisionConfig(generic_fallback=True)``).
 
 Finds what the dedicated patchers state by hand: norm classes (a leaf module whose class name
-contains "Norm"), gated MLPs (``gate_proj``/``up_proj``/``down_proj`` + ``act_fn``), GPT-2 style
+contains "Norm"), gated MLPs (``gate_proj``/``up_proj``/``down_proj`` + ``act_fn``, and a forward
+that computes ``down(act(gate(x)) * up(x))`` on a probe: a module that does more keeps its own
+forward and its saves compressed where autograd makes them), GPT-2 style
 ``Conv1D``, and uses the attention interface only if the model's modeling file dispatches through
 it. Token axis: the second-to-last dim, as for every patcher.
 
@@ -14,6 +16,7 @@ front inline (Whisper's encoder). Dedicated patchers do better where they know t
 """
 import sys
 
+import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
@@ -30,7 +33,29 @@ def _is_norm(module: nn.Module) -> bool:
 
 
 def _is_gated_mlp(module: nn.Module) -> bool:
-    return all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+    """Whether ``module`` has a gated MLP's parts and its own forward is ``down(act(gate(x)) * up(x))``,
+    to the bit, on random probes (patching replaces that forward: one that also clamps, scales or
+    drops would train another function; issue 42, item 4)."""
+    if not all(hasattr(module, a) for a in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        return False
+    gate, up, down, act = module.gate_proj, module.up_proj, module.down_proj, module.act_fn
+    if not all(isinstance(m, nn.Linear) for m in (gate, up, down)):
+        return False
+    weight, g = gate.weight, torch.Generator().manual_seed(0)
+    try:
+        with torch.no_grad():
+            for scale in (1.0, 1e3):  # a small and a large probe: a clamp or a saturation shows in one
+                x = (torch.randn(1, 3, gate.in_features, generator=g) * scale).to(weight.device, weight.dtype)
+                if not _same(type(module).forward(module, x), down(act(gate(x)) * up(x))):
+                    return False
+    except Exception:  # noqa: BLE001 - a forward that cannot run the probe (meta tensors, ...) is not proven plain
+        return False
+    return True
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal to the bit, NaN where the other is NaN (a large probe may overflow a 16-bit model)."""
+    return a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 def _uses_attention_interface(model: nn.Module) -> bool:

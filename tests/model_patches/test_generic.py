@@ -71,3 +71,34 @@ def test_generic_fallback_on_listed_types(model_type):
         assert cosines[0] >= 0.97 and cosines[1] >= 0.98, cosines
         assert hd.measure_activation_memory(model, batch, fallback).ratio >= 4
     assert model_type in hd.supported_model_types()  # the family is back after the block
+
+
+def test_generic_fallback_keeps_a_gated_mlp_that_does_more():
+    """Issue 42, item 4: an MLP with a gated MLP's parts whose forward also clamps kept its parts but
+    lost the clamp (the generic path replaced its forward with ``down(act(gate) * up)``: training
+    the clamp lost moves the training logits). Now it keeps its own forward, and the plain ones are still patched."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    class ClampedMLP(LlamaMLP):
+        def forward(self, x):
+            return super().forward(x).clamp(-1e-4, 1e-4)
+
+    model = tiny_model("llama").train()
+    plain = model.model.layers[0].mlp
+    clamped = ClampedMLP(model.config)
+    clamped.load_state_dict(model.model.layers[1].mlp.state_dict())
+    model.model.layers[1].mlp = clamped
+    batch = tiny_batch()
+    torch.manual_seed(0)
+    ref = model(**batch).logits
+    with unregistered("llama"), pytest.warns(UserWarning, match="generic fallback"):
+        hd.apply_division(model, hd.DivisionConfig(generic_fallback=True))
+    torch.manual_seed(0)
+    assert torch.equal(model(**batch).logits, ref)
+    assert _wrapper_of(plain).startswith("patch_gated_mlp.")  # the plain form: gate and up kept once
+    assert _wrapper_of(clamped).startswith("patch_saved.")  # its own forward, its saves compressed
+
+
+def _wrapper_of(module) -> str:
+    """The qualified name of the patching primitive that wrapped ``module``'s forward."""
+    return module.__dict__["forward"].__func__._division_make.__qualname__
