@@ -17,9 +17,9 @@ from transformers import PretrainedConfig
 from hf_division.patching.attention import CONFIG_ATTR, restore
 from hf_division.config import DivisionConfig
 from hf_division.patching.primitives import (
-    PatchState, layer_names, patch_causal_lm_loss, patch_checkpointing, patch_root, restore_forward,
-    restore_loss_functions, restore_rotary, unwrap,
+    patch_causal_lm_loss, patch_checkpointing, patch_root, restore_loss_functions, restore_rotary,
 )
+from hf_division.patching.wrappers import PatchState, layer_names, restore_forward, unwrap
 from hf_division.registry import fallback, family, supported_model_types
 
 __all__ = ["apply_division", "remove_division", "restored_division", "division_config_of", "patched_modules",

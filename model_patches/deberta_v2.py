@@ -26,7 +26,7 @@ from transformers.models.deberta_v2.modeling_deberta_v2 import (DisentangledSelf
 
 from hf_division.autograd.accounting import account_tensors
 from hf_division.autograd.ops import AttentionFn
-from hf_division.patching.primitives import config_for, in_training, wrap_forward
+from hf_division.patching.wrappers import config_for, in_training, wrap_forward
 from hf_division.registry import register
 
 from .common import ENCODER_DEFAULTS, encoder_patcher, with_patches

@@ -26,7 +26,8 @@ from transformers.models.falcon.modeling_falcon import FalconAttention, apply_ro
 
 from hf_division.autograd.accounting import account_tensors
 from hf_division.autograd.ops import AttentionFn
-from hf_division.patching.primitives import config_for, in_training, patch_modules, wrap_forward
+from hf_division.patching.primitives import patch_modules
+from hf_division.patching.wrappers import config_for, in_training, wrap_forward
 from hf_division.quant.packing import pack_mask, unpack_mask
 
 from .common import ACTIVATIONS

@@ -382,3 +382,47 @@ def _tensor_names(replica):
         for key, value in vars(module).items():
             if isinstance(value, torch.Tensor) and value.requires_grad:
                 yield (f"{mod_name}.{key}" if mod_name else key), module, key
+
+
+class _ScaledLinear(torch.nn.Linear):
+    """A fake-quantized QAT linear's shape: the weight times a learned scalar in its own forward."""
+
+    def __init__(self, linear):
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        self.load_state_dict(linear.state_dict())
+        self.s = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight * self.s, self.bias)
+
+
+def test_a_linear_subclass_with_its_own_forward_is_left_exact(batch):
+    """Issue 42, item 2: a Linear subclass was patched by isinstance, its backward assumed
+    ``x @ W.T + b`` with the raw weight: no gradient for the scalar, an input gradient from the
+    wrong weight. Now it is left exact, with one warning naming the class; plain Linears are patched."""
+    def model_with_scaled():
+        torch.manual_seed(0)
+        model = tiny_model("bert").train()
+        for layer in model.bert.encoder.layer:
+            layer.intermediate.dense = _ScaledLinear(layer.intermediate.dense)
+        return model
+
+    def grads(model):
+        reseed(0)
+        torch.manual_seed(1)
+        model(**batch).loss.backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    exact = grads(model_with_scaled())
+    model = model_with_scaled()
+    with pytest.warns(UserWarning, match=r"_ScaledLinear \(e\.g\. bert\.encoder\.layer\.0\.intermediate\.dense\) overrides"):
+        # Linear inputs compressed, the rest exact: no compressed tensor lies on the scalar's gradient path
+        apply_division(model, DivisionConfig(linear_bits=8, attention_bits=0, activation_bits=0, norm_bits=0))
+    scaled = [m for m in model.modules() if isinstance(m, _ScaledLinear)]
+    assert scaled and all("forward" not in m.__dict__ for m in scaled)
+    assert "forward" in model.bert.encoder.layer[0].attention.self.query.__dict__  # a plain Linear
+    got = grads(model)
+    for name, g in exact.items():
+        if name.endswith("intermediate.dense.s"):
+            assert got[name] is not None, name
+            torch.testing.assert_close(got[name], g, rtol=1e-4, atol=0, msg=name)

@@ -22,7 +22,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from hf_division.api import apply_division, remove_division, restored_division, unwrap
 from hf_division.config import DivisionConfig
 from hf_division.analysis.measure import account
-from hf_division.patching.primitives import layer_names
+from hf_division.patching.wrappers import layer_names
 from hf_division.analysis.timing import interleaved_medians, timed
 
 

@@ -2,7 +2,7 @@
 
 Patching replaces the ``forward`` of individual module *instances* (never classes, never the
 module tree), so state dicts, checkpoints and other instances are untouched, and restoring is
-deleting the instance attribute again (:func:`restore_forward`). The one module-level function
+deleting the instance attribute again (:mod:`.wrappers` holds that mechanism). The one module-level function
 replaced, the rotary embedding's (:func:`patch_rotary`), is a wrapper that runs the original outside
 a patched attention module's training forward, removed with the last model using it. Each primitive records what it
 replaced in a :class:`PatchState`; :mod:`hf_division.api` owns that state's life cycle
@@ -13,15 +13,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-import types
+import warnings
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.modeling_layers import GradientCheckpointingLayer
-
 from hf_division.patching.attention import CONFIG_ATTR, switch
 from hf_division.config import DivisionConfig
 from hf_division.autograd.layer_norm import layer_norm, takes as layer_norm_takes
@@ -32,92 +30,9 @@ from hf_division.autograd import rotary
 from hf_division.autograd.dropout import BitDropout
 from hf_division.autograd.ops import CheckpointFn, GatedFn, LinearFn, RecomputeFn
 from hf_division.autograd.saved_hooks import compressed_saves
-from hf_division.autograd.store import active
-
-
-@dataclass
-class PatchState:
-    """What division changed on one model: its config and every replaced ``forward``."""
-
-    config: DivisionConfig
-    modules: list = field(default_factory=list)  # (module, previous instance forward or None)
-    n_modules: int = 0  # size of the module tree when last patched
-    attn: list = field(default_factory=list)  # config objects switched to division attention
-    names: dict = field(default_factory=dict)  # id(module) -> name in the model (for module_bits)
-    losses: list = field(default_factory=list)  # models whose ``loss_function`` was set
-    rotary: dict = field(default_factory=dict)  # modeling module name -> finalizer that uninstalls its wrapper
-
-
-def layer_names(model: nn.Module) -> list[str]:
-    """The names of ``model``'s layers (Transformers' checkpointable layers), input first."""
-    return [name for name, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)]
-
-
-def config_for(state: PatchState, module: nn.Module) -> DivisionConfig:
-    """The config ``module`` uses: ``state.config`` with its ``module_bits`` overrides resolved."""
-    if not state.config.override_names():
-        return state.config
-    return state.config.for_module(state.names.get(id(module), ""))
-
-
-def in_training(module: nn.Module) -> bool:
-    """Whether ``module`` runs a forward whose saved tensors should be compressed now."""
-    return module.training and active()
-
-
-def unpatched_forward(module: nn.Module):
-    """``module``'s class forward bound to it: what a recomputation in backward calls (never a
-    patched instance forward, which would compress again)."""
-    return types.MethodType(type(module).forward, module)
-
-
-# ----------------------------------------------------------------------------- module wrappers
-def _wrapped(module: nn.Module) -> bool:
-    """Whether ``module``'s instance forward is one of ours."""
-    return getattr(getattr(module.__dict__.get("forward"), "__func__", None), "_division", False)
-
-
-def wrap_forward(state: PatchState, module: nn.Module, make_forward) -> None:
-    """Replace ``module.forward`` by ``make_forward(original forward)`` (bound to ``module``), once:
-    a module reached twice (shared) keeps the first wrapper. A replica made by ``DataParallel``
-    (``_replicate_for_data_parallel``, which copies the instance dict) gets a wrapper of its own
-    around its own original forward (:func:`_replicate`)."""
-    previous = module.__dict__.get("forward")
-    if _wrapped(module):
-        return  # already ours (a shared module reached twice)
-    _install(module, module.forward, make_forward)
-    module.__dict__[REPLICATE] = types.MethodType(_replicate, module)
-    state.modules.append((module, previous))
-
-
-#: the ``nn.Module`` method ``DataParallel``'s ``replicate`` calls on every module
-REPLICATE = "_replicate_for_data_parallel"
-
-
-def _install(module: nn.Module, orig, make_forward) -> None:
-    new = make_forward(orig)
-    new._division = True
-    new._division_make, new._division_orig = make_forward, orig
-    # keep the original signature visible (the Trainer picks dataset columns from it)
-    new.__wrapped__ = getattr(orig, "__func__", orig)
-    module.__dict__["forward"] = types.MethodType(new, module)
-
-
-def _replicate(self: nn.Module) -> nn.Module:
-    """``nn.Module._replicate_for_data_parallel`` for a patched module: the replica shares this
-    module's instance dict, so its forward would be this module's wrapper, running this module's
-    original forward on this module's parameters; it gets its own, around its own forward."""
-    replica = type(self)._replicate_for_data_parallel(self)
-    if not _wrapped(self):  # another library removed our forward since: nothing of ours to carry over
-        replica.__dict__.pop(REPLICATE, None)
-        return replica
-    wrapper = self.__dict__["forward"].__func__
-    orig = wrapper._division_orig
-    if isinstance(orig, types.MethodType) and orig.__self__ is self:
-        orig = types.MethodType(orig.__func__, replica)
-    _install(replica, orig, wrapper._division_make)
-    replica.__dict__[REPLICATE] = types.MethodType(_replicate, replica)
-    return replica
+from hf_division.patching.wrappers import (
+    PatchState, config_for, forget_lost, in_training, unpatched_forward, wrap_forward,
+)
 
 
 def patch_linear(state: PatchState, module: nn.Module, transposed: bool = False, kind: str = "linear") -> None:
@@ -273,20 +188,6 @@ def patch_gated_body(state: PatchState, mlp: nn.Module, act: nn.Module, body) ->
     wrap_forward(state, mlp, make)
 
 
-def forget_lost(state: PatchState) -> bool:
-    """Drop the records of modules whose forward is no longer ours, so that patching again wraps
-    what they run now; whether there were any.
-
-    Why: Transformers' hub-kernel support (``use_kernels``, on for models from ``from_pretrained``
-    where the ``kernels`` package is installed) re-kernelizes the layers it marks (activations,
-    RMSNorm) at every train/eval switch and removes their instance forward where no kernel applies,
-    ours included: a model patched in eval mode lost them at the Trainer's first ``model.train()``."""
-    kept = [(m, previous) for m, previous in state.modules if _wrapped(m)]
-    lost = len(kept) != len(state.modules)
-    state.modules[:] = kept
-    return lost
-
-
 def patch_root(state: PatchState, model: nn.Module, repatch) -> None:
     """The model's own forward: in training, (1) modules added after patching (PEFT's
     ``get_peft_model`` after ``apply_division`` adds ``lora_A``/``lora_B``) get patched before they
@@ -395,10 +296,12 @@ def restore_loss_functions(state: PatchState) -> None:
 def patch_modules(
     state: PatchState, root: nn.Module, norm_types=(nn.LayerNorm,), activation_types=(), conv1d_types=()
 ) -> None:
-    """The shared wiring: every Linear (and Conv1D), norm and activation below ``root``."""
+    """The shared wiring: every Linear (and Conv1D), norm and activation below ``root``. A Linear
+    subclass with a forward of its own is left exact (:func:`plain_linear`)."""
     for module in root.modules():
         if isinstance(module, nn.Linear):
-            patch_linear(state, module)
+            if plain_linear(state, module):
+                patch_linear(state, module)
         elif isinstance(module, conv1d_types):
             patch_linear(state, module, transposed=True)
         elif isinstance(module, norm_types):
@@ -407,34 +310,31 @@ def patch_modules(
             patch_recompute(state, module, "activation")
 
 
+#: Linear subclasses whose own forward computes ``x @ weight.T + bias`` from the raw weight (the
+#: forward stays theirs, bit for bit; the gradient is LinearFn's): checked by reading their source
+PLAIN_LINEAR_SUBCLASSES = {"transformers.models.falcon.modeling_falcon.FalconLinear"}
+
+
+def plain_linear(state: PatchState, module: nn.Linear) -> bool:
+    """Whether ``module`` computes ``F.linear(x, self.weight, self.bias)``: its class does not
+    override ``nn.Linear.forward``, or is one of :data:`PLAIN_LINEAR_SUBCLASSES`. :class:`~hf_division.autograd.ops.LinearFn`'s backward assumes
+    that; a subclass that scales or quantizes its weight in its forward (fake-quantized QAT
+    linears, bitsandbytes' ``Linear4bit`` / ``Linear8bitLt``) would train with no gradient for what
+    its forward adds and an input gradient from the wrong weight. Those keep what autograd saves,
+    exact, with one warning per class (issue 42, item 2)."""
+    kind = f"{type(module).__module__}.{type(module).__qualname__}"
+    if type(module).forward is nn.Linear.forward or kind in PLAIN_LINEAR_SUBCLASSES:
+        return True
+    if kind not in state.declined:
+        state.declined.add(kind)
+        warnings.warn(f"hf-division: {kind} (e.g. {state.names.get(id(module), type(module).__name__)}) overrides "
+                      "nn.Linear.forward; division leaves its layers exact (their inputs kept as autograd keeps them)")
+    return False
+
+
 def use_attention_interface(state: PatchState, model: nn.Module) -> None:
     """Route the model's attention through ``division_<impl>`` (see hf_division.patching.attention)."""
     for module in model.modules():
         module.__dict__[CONFIG_ATTR] = config_for(state, module)
     if not state.attn:  # switched once; re-patching (new modules) must not switch again
         state.attn = switch(model)
-
-
-def restore_forward(module: nn.Module, previous) -> None:
-    """Undo one :func:`wrap_forward`: ``previous`` is the instance forward it replaced (None: none)."""
-    module.__dict__.pop(REPLICATE, None)
-    if previous is None:
-        module.__dict__.pop("forward", None)
-    else:
-        module.forward = previous
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The ``PreTrainedModel`` inside PEFT, DDP/FSDP-style (``.module``) or compiled wrappers."""
-    seen = set()
-    while id(model) not in seen:
-        seen.add(id(model))
-        if hasattr(model, "get_base_model") and callable(model.get_base_model):
-            model = model.get_base_model()
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        elif isinstance(getattr(model, "module", None), nn.Module) and not hasattr(model, "config"):
-            model = model.module
-    return model
-
-
