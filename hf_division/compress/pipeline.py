@@ -77,8 +77,9 @@ def compress(
     seed = noise_seed(x.device, generator) if stochastic else None
     static = x.device.type != "cpu" if static_rows is None else static_rows
     if not by_tokens:  # ActNN's flat groups, after any exact rows are split off
-        x3, exact = _split_exact(x3, ratio, 0, static, x.dtype, pick(x.device, FLAT, None))
-        return _no_larger(_encode_flat(x, x3, layout, seed, bits, group_size, exact), x)
+        backend = pick(x.device, FLAT, None)
+        x3, exact = _split_exact(x3, ratio, 0, static, x.dtype, backend)
+        return _no_larger(_encode_flat(backend, x, x3, layout, seed, bits, group_size, exact), x)
     backend = pick(x.device, TOKENS, lfc_dtype if block > 1 else None)
     group = token_group(group_size, block, bits)
     # 2. the exact tokens, split off once; 3. one encode
@@ -215,14 +216,14 @@ def _encode_then_split(backend: Backend, x3: torch.Tensor, seed, bits: int, bloc
     return backend.encode_tokens(x3, seed, bits, block, group, lfc_dtype, row_scale), dict(rows=rows, row_index=row_index)
 
 
-def _encode_flat(x: torch.Tensor, x3: torch.Tensor, layout: Layout | None, seed, bits: int, group_size: int,
-                 exact: dict) -> Packed:
+def _encode_flat(backend: Backend, x: torch.Tensor, x3: torch.Tensor, layout: Layout | None, seed, bits: int,
+                 group_size: int, exact: dict) -> Packed:
     """ActNN's flat groups of ``x3``'s elements in memory order, the last group padded."""
     flat = x3.reshape(-1)
     group = min(group_size, -(-flat.numel() // 8) * 8)  # one group at most: no padding beyond it
     if flat.numel() % group:
         flat = torch.nn.functional.pad(flat, (0, -flat.numel() % group))
-    enc = pick(x.device, FLAT, None).encode_flat(flat, seed, bits, group)
+    enc = backend.encode_flat(flat, seed, bits, group)
     return Packed(packed=enc.codes, lo=enc.lo, scale=enc.scale, shape=x.shape, dtype=x.dtype, layout=layout, bits=bits,
                   block_size=1, group_size=group, grouping=FLAT, **exact)
 

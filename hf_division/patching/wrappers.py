@@ -108,10 +108,10 @@ def forget_lost(state: PatchState) -> bool:
     where the ``kernels`` package is installed) re-kernelizes the layers it marks (activations,
     RMSNorm) at every train/eval switch and removes their instance forward where no kernel applies,
     ours included: a model patched in eval mode lost them at the Trainer's first ``model.train()``."""
-    kept = [(m, previous) for m, previous in state.modules if _wrapped(m)]
-    lost = len(kept) != len(state.modules)
-    state.modules[:] = kept
-    return lost
+    if all(_wrapped(m) for m, _ in state.modules):  # every training forward asks: no list built
+        return False
+    state.modules[:] = [(m, previous) for m, previous in state.modules if _wrapped(m)]
+    return True
 
 
 def restore_forward(module: nn.Module, previous) -> None:
