@@ -11,6 +11,7 @@ memory freed during the forward is reused at the same address for another tensor
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from typing import Callable
 
@@ -141,7 +142,14 @@ def _with_sign(value: torch.Tensor, positive: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- recomputation
-_recomputing = [0]
+class _Depth(threading.local):
+    """Per thread: :func:`exact` in one thread must not switch compression off for a forward
+    running in another (a DataParallel replica, an evaluation thread), and a recomputation runs in
+    the thread of the backward that needs it."""
+    value = 0
+
+
+_recomputing = _Depth()
 
 
 def active() -> bool:
@@ -151,22 +159,22 @@ def active() -> bool:
 
 
 def in_recomputation() -> bool:
-    """Whether a checkpoint's backward recomputation (or :func:`exact`) is running."""
-    return bool(_recomputing[0])
+    """Whether a checkpoint's backward recomputation (or :func:`exact`) is running in this thread."""
+    return bool(_recomputing.value)
 
 
 @contextlib.contextmanager
 def recomputing():
-    _recomputing[0] += 1
+    _recomputing.value += 1
     try:
         yield
     finally:
-        _recomputing[0] -= 1
+        _recomputing.value -= 1
 
 
 @contextlib.contextmanager
 def exact():
-    """Forwards run inside keep what they save for backward uncompressed, as the unpatched model
+    """Forwards run inside (in this thread) keep what they save for backward uncompressed, as the unpatched model
     does (e.g. for a gradient penalty, which needs second derivatives); the model stays patched."""
     with recomputing():
         yield

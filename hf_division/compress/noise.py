@@ -19,11 +19,22 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import threading
 import weakref
 
 import torch
 
-_stream = {"base": None, "seed": 0, "salt": 0, "next": 0}  # base: torch.initial_seed() when last (re)seeded
+_stream = {"base": None, "seed": 0, "next": 0}  # base: torch.initial_seed() when last (re)seeded
+_numbering = threading.Lock()  # models forwarding in several threads at once get distinct numbers
+
+
+class _Running(threading.local):
+    """The model whose forward runs in this thread (its number): replicas forwarding in threads
+    (DataParallel) or a second model in another thread must not draw from each other's stream."""
+    salt = 0
+
+
+_running = _Running()
 _generators: dict[tuple, torch.Generator] = {}  # (device, salt) -> generator
 _salts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its number since the last seed
 
@@ -47,14 +58,17 @@ def model_stream(model):
     _follow_torch_seed()
     salt = _salts.get(model)
     if salt is None:
-        salt = _salts[model] = _stream["next"]
-        _stream["next"] += 1
-    before = _stream["salt"]
-    _stream["salt"] = salt
+        with _numbering:
+            salt = _salts.get(model)
+            if salt is None:
+                salt = _salts[model] = _stream["next"]
+                _stream["next"] += 1
+    before = _running.salt
+    _running.salt = salt
     try:
         yield
     finally:
-        _stream["salt"] = before
+        _running.salt = before
 
 
 def step_seed(seed: int, step: int, rank: int = 0) -> int:
@@ -67,7 +81,7 @@ def step_seed(seed: int, step: int, rank: int = 0) -> int:
 def generator(device: torch.device) -> torch.Generator:
     """The rounding-noise generator for ``device`` and the model running (see the module doc)."""
     _follow_torch_seed()
-    salt = _stream["salt"]
+    salt = _running.salt
     gen = _generators.get((device, salt))
     if gen is None:
         gen = _generators[(device, salt)] = torch.Generator(device=device)
