@@ -1,8 +1,10 @@
-"""Byte accounting: what the ops hold for backward, for exact measurement (hf_division.analysis.measure).
+"""Byte accounting: what a training forward holds for backward, exactly (docs/DESIGN.md, Accounting).
 
 Between :func:`start_accounting` and :func:`stop_accounting`, every store entry created and every
 tensor an op reports (:func:`account_tensors`: dropout bits, RNG states, masks it keeps outside any
 entry) is recorded by weak reference, so that the accounting itself keeps nothing alive.
+What autograd saves itself and what checkpointed layers keep are added by
+:func:`hf_division.autograd.held.held_by_forward`.
 """
 from __future__ import annotations
 

@@ -71,6 +71,21 @@ def model_stream(model):
         _running.salt = before
 
 
+@contextlib.contextmanager
+def untouched():
+    """Draws inside leave every stream as it was: a measuring forward before a step (the
+    Trainer's choice of ``division_checkpointing``) must not shift the noise that step draws."""
+    before = {key: gen.get_state() for key, gen in _generators.items()}
+    try:
+        yield
+    finally:
+        for key in list(_generators):
+            if key in before:
+                _generators[key].set_state(before[key])
+            else:
+                del _generators[key]
+
+
 def step_seed(seed: int, step: int, rank: int = 0) -> int:
     """The noise seed of optimizer step ``step`` on process ``rank`` of a run seeded with ``seed``
     (a hash: neighbouring steps and ranks get unrelated streams)."""

@@ -60,11 +60,12 @@ def test_sft_trainer_with_division_trains_like_trl(tmp_path, caplog):
     _, base = train(tmp_path, division=False)
     hf_logging.enable_propagation()
     with caplog.at_level(logging.WARNING):
-        trainer, got = train(tmp_path, division=True)
+        trainer, got = train(tmp_path, division=True, division_checkpointing="replace")
     assert division_config_of(trainer.model) is not None
-    # TRL turns checkpointing on by default; division replaces it, and says so at training start
+    # TRL turns checkpointing on by default; division replaces it as asked, and says so with the bytes
     assert trainer.args.gradient_checkpointing and not trainer.model.get_base_model().is_activation_checkpointing
-    assert any("division replaces it" in r.getMessage() for r in caplog.records)
+    said = [r.getMessage() for r in caplog.records if "division replaces it" in r.getMessage()]
+    assert len(said) == 1 and "one example holds" in said[0], said
     # every kind kept exact: the same training up to summation order (the fused loss)
     assert len(got) == len(base) == 4
     assert max(abs(a - b) for a, b in zip(base, got)) < 1e-4
