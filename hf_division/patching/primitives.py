@@ -315,6 +315,11 @@ def patch_modules(
 PLAIN_LINEAR_SUBCLASSES = {"transformers.models.falcon.modeling_falcon.FalconLinear"}
 
 
+#: Linear subclasses whose backward keeps no input (bitsandbytes' ``MatMul4Bit`` saves only its packed,
+#: frozen weight and computes the input gradient from it): left exact, they cost no activation bytes
+NO_SAVED_INPUT = frozenset(f"bitsandbytes.nn.modules.{name}" for name in ("Linear4bit", "LinearNF4", "LinearFP4"))
+
+
 def plain_linear(state: PatchState, module: nn.Linear) -> bool:
     """Whether ``module`` computes ``F.linear(x, self.weight, self.bias)``: its class does not
     override ``nn.Linear.forward``, or is one of :data:`PLAIN_LINEAR_SUBCLASSES`. :class:`~hf_division.autograd.ops.LinearFn`'s backward assumes
@@ -327,8 +332,10 @@ def plain_linear(state: PatchState, module: nn.Linear) -> bool:
         return True
     if kind not in state.declined:
         state.declined.add(kind)
+        cost = ("; its frozen 4-bit matmul keeps no input for backward, so this costs no activation memory"
+                if kind in NO_SAVED_INPUT else "")
         warnings.warn(f"hf-division: {kind} (e.g. {state.names.get(id(module), type(module).__name__)}) overrides "
-                      "nn.Linear.forward; division leaves its layers exact (their inputs kept as autograd keeps them)")
+                      f"nn.Linear.forward; division leaves its layers exact (their inputs kept as autograd keeps them){cost}")
     return False
 
 
