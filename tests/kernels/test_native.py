@@ -1,8 +1,17 @@
 """The native CPU kernels (hf_division/kernels/csrc/division_cpu.c) against the tensor code they write out
 (hf_division/quant/codecs.py, run eagerly): the same bytes, the same rebuilt values; built once per
-machine, with a warning and the torch kernels where no compiler works."""
+machine, with a warning and the torch kernels where no compiler works; the library's edges (failed
+allocations, a cache others may write, wrong arguments, stale libraries, ranks building at once)."""
+import os
+import re
 import shutil
+import stat
 import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +20,7 @@ from hf_division.kernels import native
 from hf_division.quant import exact_tokens, packing
 from hf_division.compress.pipeline import compress, compress_row_scaled, decompress
 from hf_division.kernels import configured
+from hf_division.quant.packed import TokenBuffers
 
 
 def both(x, **kw):
@@ -411,3 +421,235 @@ def test_silu_gated_loops_vectorize_with_the_build_flags():
              and ("out_h[at + j]" in line or "float e = 1.0f + exp_f32" in lines[i + 1])]
     assert len(loops) == 2, loops
     assert set(loops) <= _vectorized_lines(native.FLAGS + ["-march=native"])
+
+
+# ----------------------------------------------------------------------------- the library's edges
+CC = shutil.which("cc") or shutil.which("gcc") or "cc"
+#: a library without the kernels' symbols whose loading leaves a file behind: code run by dlopen
+STUB = """#include <stdio.h>
+__attribute__((constructor)) static void planted(void) { FILE *f = fopen("%s", "a"); if (f) fclose(f); }
+long long hfd_encode_tile(void) { return 1; }
+"""
+
+
+def _stub_source(tmp_path) -> Path:
+    src = tmp_path / "stub.c"
+    src.write_text(STUB % (tmp_path / "loaded"))
+    return src
+
+
+def _plant(tmp_path, target: Path) -> Path:
+    """The stub library built at ``target``; ``tmp_path / "loaded"`` appears if it is ever loaded."""
+    subprocess.run([CC, "-shared", "-fPIC", str(_stub_source(tmp_path)), "-o", str(target)], check=True)
+    return target
+
+
+@pytest.fixture
+def fake_cc(tmp_path):
+    """A compiler script that counts its builds and, by ``use(how)``, builds the stub in place of the
+    kernels (``"stub"``), copies this session's library there (``"copy"``; ``"slow copy"`` after a
+    second: two builds at once overlap), else compiles. Its ``--version`` is the compiler's: the
+    cache key is the same."""
+    builds, how, script = tmp_path / "builds", tmp_path / "how", tmp_path / "fake-cc"
+    script.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        [ "$1" = --version ] && exec "{CC}" --version
+        echo build >> "{builds}"
+        out=; prev=
+        for a in "$@"; do [ "$prev" = -o ] && out=$a; prev=$a; done
+        case "$(cat "{how}")" in
+            stub) exec "{CC}" -shared -fPIC "{_stub_source(tmp_path)}" -o "$out" ;;
+            "slow copy") sleep 1; exec cp "{native.kernels()._name}" "$out" ;;
+            copy) exec cp "{native.kernels()._name}" "$out" ;;
+        esac
+        exec "{CC}" "$@"
+        """))
+    script.chmod(0o755)
+    return SimpleNamespace(path=str(script), use=how.write_text,
+                           builds=lambda: len(builds.read_text().split()) if builds.exists() else 0)
+
+
+def _tokens(x3, bits=4, block=16, group=64, lfc_dtype=torch.bfloat16):
+    m, t, c = x3.shape
+    b = TokenBuffers.empty(m, t, c, bits, block, group, lfc_dtype, torch.bfloat16, "cpu")
+    native.encode_tokens(x3, b.codes, b.lfc, b.lo, b.scale, 7, bits, block, group)
+    return b
+
+
+# 1. allocations
+@pytest.mark.parametrize("kernel", ["encode", "decode", "silu_gated"])
+def test_a_failed_allocation_is_reported_and_nothing_written(kernel):
+    # 37 tokens in blocks of 16: padded, so encode and decode allocate a row map; unchecked, its NULL
+    # had padded tokens read and written as rows 37.. of the tensor
+    lib = native.kernels()
+    x = torch.randn(2, 37, 64)
+    if kernel == "encode":
+        b = TokenBuffers.empty(2, 37, 64, 4, 16, 64, torch.bfloat16, torch.bfloat16, "cpu")
+        for v in (b.codes, b.lo, b.scale, b.lfc):
+            v.view(torch.uint8).fill_(0xAB)
+        call = lambda: native.encode_tokens(x, b.codes, b.lfc, b.lo, b.scale, 7, 4, 16, 64)
+        written = (b.codes, b.lo, b.scale, b.lfc)
+    elif kernel == "decode":
+        b, out = _tokens(x), torch.full((2, 37, 64), 123.0)
+        call = lambda: native.decode_tokens(out, b.codes, b.lfc, b.lo, b.scale, 4, 16, 64)
+        written = (out,)
+    else:
+        gate, up = (_tokens(v, block=1, group=32, lfc_dtype=None) for v in (x.view(1, 74, 64), x.view(1, 74, 64) * 2))
+        out = (torch.full((74, 64), 123.0),)
+        ops = [(v.codes, v.lo, v.scale, 4, None, None) for v in (gate, up)]
+        call = lambda: native.silu_gated(74, 64, 32, *ops, None, out)
+        written = out
+    before = [v.clone() for v in written]
+    lib.hfd_fail_next_allocs(1)
+    try:
+        with pytest.raises(MemoryError, match=f"hfd_{kernel}"):
+            call()
+    finally:
+        lib.hfd_fail_next_allocs(0)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(written, before))
+    call()  # the next allocation succeeds: the same call runs
+    assert not all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(written, before))
+
+
+# 2. the cache folder and library belong to this user, writable by no one else
+@pytest.mark.parametrize("how", ["shared folder", "library others may write", "another user's"])
+def test_a_planted_library_is_not_loaded(tmp_path, monkeypatch, how):
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    name = Path(native.kernels()._name).name  # the file build() loads first, on this machine
+    library = _plant(tmp_path, cache / name)
+    if how == "shared folder":  # HF_DIVISION_CACHE on a folder others may write
+        cache.chmod(0o777)
+        where, reason = cache, "writable by group"
+    elif how == "library others may write":
+        library.chmod(0o666)
+        where, reason = library, "writable by group"
+    else:
+        real = os.getuid()
+        monkeypatch.setattr(os, "getuid", lambda: real + 1)
+        where, reason = cache, "owned by uid"
+    with pytest.raises(OSError, match=re.escape(f"{where} is {reason}")):
+        native.build(cache=cache)
+    assert not (tmp_path / "loaded").exists()
+
+
+def test_an_unsafe_cache_falls_back_with_one_warning_naming_it(tmp_path, monkeypatch):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    _plant(tmp_path, shared / Path(native.kernels()._name).name)
+    monkeypatch.setenv("HF_DIVISION_CACHE", str(shared))
+    monkeypatch.setattr(native, "_state", {"lib": None, "tried": False})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert native.kernels() is None and native.kernels() is None
+        assert not native.applies(torch.device("cpu"), None)
+        with configured(compile=False):  # the tensor code instead
+            x = torch.randn(2, 40, 64)
+            assert (decompress(compress(x, bits=8, block_size=1, group_size=32)) - x).abs().max() < 0.1
+    (warning,) = [w for w in caught if "native CPU kernels" in str(w.message)]
+    assert f"{shared} is writable by group" in str(warning.message)
+    assert not (tmp_path / "loaded").exists()
+
+
+# 3. the wrappers check what they hand to C
+def _gated_call(grad_dtype):
+    x = torch.randn(1, 40, 64)
+    ops = [(b.codes, b.lo, b.scale, 4, None, None) for b in (_tokens(v, block=1, group=32, lfc_dtype=None)
+                                                             for v in (x, x * 2))]
+    grad = torch.randn(40, 64, dtype=grad_dtype)
+    return lambda: native.silu_gated(40, 64, 32, *ops, grad, (torch.empty(40, 64), torch.empty(40, 64)))
+
+
+def _bad_calls():
+    """(argument, call) pairs the C code would have run on, each within its buffers' storage."""
+    x = torch.randn(2, 37, 64)
+    b = _tokens(x)
+    dec = {"codes": b.codes, "lfc": b.lfc, "lo": b.lo, "scale": b.scale, "bits": 4, "block": 16, "group": 64}
+    enc = {**dec, "seed": 7}
+    big = torch.zeros(2 * b.codes.numel(), dtype=torch.uint8)
+    q, cos = torch.randn(2, 3, 5, 8), torch.randn(1, 5, 8, dtype=torch.float64)
+    bits = torch.zeros(16, dtype=torch.uint8)
+    return {
+        "out float64": ("out", lambda: native.decode_tokens(torch.empty(2, 37, 64, dtype=torch.float64), **dec)),
+        "out transposed": ("out", lambda: native.decode_tokens(torch.empty(2, 64, 37).transpose(1, 2), **dec)),
+        "row_scale off the CPU": ("row_scale", lambda: native.decode_tokens(
+            torch.empty(2, 37, 64), **dec, row_scale=torch.empty(74, device="meta"))),
+        "lo float32": ("lo", lambda: native.encode_tokens(x, **dict(enc, lo=torch.empty(b.lo.shape)))),
+        "codes too short": ("codes", lambda: native.encode_tokens(x, **dict(enc, codes=big[: b.codes.numel() // 2]))),
+        "lfc int32": ("lfc", lambda: native.encode_tokens(
+            x, **dict(enc, lfc=torch.empty(b.lfc.shape, dtype=torch.int32)))),
+        "cos float64": ("cos", lambda: native.rotary(q, cos, cos.clone(), False)),
+        "grad float64": ("grad", _gated_call(torch.float64)),
+        "bits too short": ("bits", lambda: native.masked_scale(
+            torch.randn(64), bits[:2], 64, (64,), torch.float32, 0.9)),
+        "state too long": ("state", lambda: native.draw_bits(torch.cat([torch.get_rng_state(), bits]), 0.5, 100)),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_calls()))
+def test_a_wrong_argument_raises_naming_it(case):
+    name, call = _bad_calls()[case]
+    with pytest.raises((TypeError, ValueError), match=f"argument '{name}'"):
+        call()
+
+
+# 4. a missing symbol: a stale library, rebuilt once
+def test_a_stale_library_is_rebuilt_once(tmp_path, fake_cc):
+    cache = tmp_path / "cache"
+    fake_cc.use("stub")  # a compiler that keeps building a library without the symbols
+    with pytest.raises(OSError, match="undefined symbol: hfd_"):
+        native.build(cc=fake_cc.path, cache=cache)
+    assert fake_cc.builds() == 2  # built, then rebuilt once; not tried again with other flags
+    fake_cc.use("copy")  # the stale library is still in the cache: rebuilt, this time with its symbols
+    lib = native.build(cc=fake_cc.path, cache=cache)
+    assert fake_cc.builds() == 3 and lib.hfd_encode_tile() == 128
+    assert native.build(cc=fake_cc.path, cache=cache)._name == lib._name and fake_cc.builds() == 3
+
+
+def test_a_failed_build_falls_back_once_per_process(tmp_path, fake_cc, monkeypatch):
+    fake_cc.use("stub")
+    monkeypatch.setenv("CC", fake_cc.path)
+    monkeypatch.setenv("HF_DIVISION_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_state", {"lib": None, "tried": False})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            assert native.kernels() is None and not native.applies(torch.device("cpu"), None)
+    (warning,) = [w for w in caught if "native CPU kernels" in str(w.message)]
+    assert "undefined symbol: hfd_" in str(warning.message)
+    assert fake_cc.builds() == 2  # built and rebuilt once, then remembered: not on every call
+
+
+# 5. ranks building at once
+def test_ranks_building_at_once_build_once(tmp_path, fake_cc):
+    cache = tmp_path / "new" / "hf_division"  # made by whichever rank gets there first
+    fake_cc.use("slow copy")
+    code = textwrap.dedent("""\
+        import sys
+        from pathlib import Path
+        from hf_division.kernels import native
+        print("ready", flush=True)
+        sys.stdin.readline()  # both start together
+        print(native.build(cc=sys.argv[1], cache=Path(sys.argv[2]))._name, flush=True)
+        """)
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    ranks = [subprocess.Popen([sys.executable, "-c", code, fake_cc.path, str(cache)], cwd=root, env=env, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    try:
+        for rank in ranks:
+            assert rank.stdout.readline() == "ready\n", rank.communicate()[1][-2000:]
+        for rank in ranks:
+            rank.stdin.write("go\n")
+            rank.stdin.flush()
+        outs = [rank.communicate(timeout=300) for rank in ranks]
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+    assert [rank.returncode for rank in ranks] == [0, 0], [err[-2000:] for _, err in outs]
+    (name,) = {out.strip() for out, _ in outs}
+    assert fake_cc.builds() == 1
+    assert stat.S_IMODE(os.stat(cache).st_mode) == 0o700
+    assert sorted(p.name for p in cache.iterdir()) == [".build.lock", Path(name).name]  # no temporary file left

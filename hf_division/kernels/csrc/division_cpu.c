@@ -95,23 +95,39 @@ static inline void prefetch_row(const Shape *s, const float *x, int64_t tt, int6
     for (int64_t k = 0; k < tj * (int64_t)sizeof(float); k += 64) __builtin_prefetch(row + k);
 }
 
-/* The shape of M sequences of T tokens padded to whole blocks, and its row map where padding
- * applies (*row_map, to free): encoding reads a padding token from its sequence's last token,
- * decoding skips it. Computed once per call: a division per token and tile cost more than the kernel. */
-static Shape make_shape(int64_t m, int64_t t, int64_t c, int64_t block, int64_t group, int bits, int lfc_kind,
-                        int for_decode, const float *row_scale, int64_t **row_map) {
-    int64_t tp = (t + block - 1) / block * block;
-    Shape s = {m * tp, c, block, group, bits, lfc_kind, -1, NULL, row_scale};
-    for (int k = 0; k < 62; k++)
-        if ((int64_t)1 << k == block) s.block_shift = k;
-    *row_map = NULL;
-    if (tp != t && (*row_map = malloc(sizeof(int64_t) * s.n)) != NULL) {
-        for (int64_t tt = 0, seq = 0; seq < m; seq++)
-            for (int64_t k = 0; k < tp; k++, tt++)
-                (*row_map)[tt] = k < t ? seq * t + k : for_decode ? -1 : seq * t + t - 1;
-        s.row = *row_map;
+/* Test hook (tests/kernels/test_native.py): the next `count` allocations fail, so that each caller's
+ * failure path can be run; 0 outside tests. Set and read between calls, never inside a parallel region. */
+static int failing_allocs = 0;
+void hfd_fail_next_allocs(int count) { failing_allocs = count; }
+
+static void *alloc(size_t bytes) {
+    if (failing_allocs > 0) {
+        failing_allocs--;
+        return NULL;
     }
-    return s;
+    return malloc(bytes);
+}
+
+/* The shape of M sequences of T tokens padded to whole blocks into *s, and its row map where padding
+ * applies (*row_map, to free): encoding reads a padding token from its sequence's last token,
+ * decoding skips it. Computed once per call: a division per token and tile cost more than the kernel.
+ * Returns 0, or -1 where the row map could not be allocated: without it padded tokens would be read
+ * and written past the tensor's rows. */
+static int make_shape(int64_t m, int64_t t, int64_t c, int64_t block, int64_t group, int bits, int lfc_kind,
+                      int for_decode, const float *row_scale, int64_t **row_map, Shape *s) {
+    int64_t tp = (t + block - 1) / block * block;
+    *s = (Shape){m * tp, c, block, group, bits, lfc_kind, -1, NULL, row_scale};
+    for (int k = 0; k < 62; k++)
+        if ((int64_t)1 << k == block) s->block_shift = k;
+    *row_map = NULL;
+    if (tp == t || s->n == 0) return 0;
+    if ((uint64_t)s->n > SIZE_MAX / sizeof(int64_t) || (*row_map = alloc(sizeof(int64_t) * (size_t)s->n)) == NULL)
+        return -1;
+    for (int64_t tt = 0, seq = 0; seq < m; seq++)
+        for (int64_t k = 0; k < tp; k++, tt++)
+            (*row_map)[tt] = k < t ? seq * t + k : for_decode ? -1 : seq * t + t - 1;
+    s->row = *row_map;
+    return 0;
 }
 
 /* ----------------------------------------------------------------------------- encode */
@@ -277,17 +293,20 @@ int64_t hfd_encode_tile(void) { return TILE; }
 
 /* x: (M*T, C) float32; lfc: (M*Tp / block, C) or NULL; lo, scale: (groups, C) bf16 bits; codes:
  * the full groups' then the last group's words (quant.packed.code_bytes); row_scale: (M*T,) or NULL;
- * absmax: (M*T, ceil(C / TILE)) float32, each token's max |x| per tile of channels, or NULL. */
-void hfd_encode_tokens(const float *x, int64_t m, int64_t t, int64_t c, int64_t block, int64_t group, int bits,
-                       int lfc_kind, void *lfc, uint16_t *lo, uint16_t *scale, uint8_t *codes, int stochastic,
-                       uint32_t seed, const float *row_scale, float *absmax, int threads) {
+ * absmax: (M*T, ceil(C / TILE)) float32, each token's max |x| per tile of channels, or NULL.
+ * Returns 0, or -1 where the row map could not be allocated (nothing written). */
+int hfd_encode_tokens(const float *x, int64_t m, int64_t t, int64_t c, int64_t block, int64_t group, int bits,
+                      int lfc_kind, void *lfc, uint16_t *lo, uint16_t *scale, uint8_t *codes, int stochastic,
+                      uint32_t seed, const float *row_scale, float *absmax, int threads) {
     int64_t *row_map;
-    Shape s = make_shape(m, t, c, block, group, bits, lfc_kind, 0, row_scale, &row_map);
+    Shape s;
+    if (make_shape(m, t, c, block, group, bits, lfc_kind, 0, row_scale, &row_map, &s)) return -1;
     int64_t groups = (s.n + group - 1) / group, tiles = (c + TILE - 1) / TILE;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t item = 0; item < groups * tiles; item++)
         encode_tile(&s, x, item / tiles, item % tiles * TILE, lfc, lo, scale, codes, stochastic, seed, absmax, tiles);
     free(row_map);
+    return 0;
 }
 
 /* ----------------------------------------------------------------------------- decode */
@@ -331,18 +350,20 @@ static void decode_tile(const Shape *s, float *out, int64_t ld, int64_t r0, int6
     }
 }
 
-/* out: (M*T, C) float32, the padding tokens left out; the other arguments as hfd_encode_tokens'. */
-void hfd_decode_tokens(float *out, int64_t m, int64_t t, int64_t c, int64_t block, int64_t group, int bits,
-                       int lfc_kind, const void *lfc, const uint16_t *lo, const uint16_t *scale,
-                       const uint8_t *codes, const float *row_scale, int threads) {
+/* out: (M*T, C) float32, the padding tokens left out; the other arguments and the result as hfd_encode_tokens'. */
+int hfd_decode_tokens(float *out, int64_t m, int64_t t, int64_t c, int64_t block, int64_t group, int bits,
+                      int lfc_kind, const void *lfc, const uint16_t *lo, const uint16_t *scale,
+                      const uint8_t *codes, const float *row_scale, int threads) {
     int64_t *row_map;
-    Shape s = make_shape(m, t, c, block, group, bits, lfc_kind, 1, row_scale, &row_map);
+    Shape s;
+    if (make_shape(m, t, c, block, group, bits, lfc_kind, 1, row_scale, &row_map, &s)) return -1;
     int64_t groups = (s.n + group - 1) / group, tiles = (c + DECODE_TILE - 1) / DECODE_TILE;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t item = 0; item < groups * tiles; item++)
         decode_tile(&s, out + item % tiles * DECODE_TILE, c, 0, item / tiles, item % tiles * DECODE_TILE, lfc, lo,
                     scale, codes);
     free(row_map);
+    return 0;
 }
 
 /* ----------------------------------------------------------------------------- SiLU-gated product */
@@ -398,7 +419,7 @@ int hfd_silu_gated(int64_t n, int64_t c, int64_t group, const uint8_t *g_codes, 
     Shape s = {n, c, 1, group, g_bits, LFC_NONE, 0, NULL, NULL};
     Operand gate = {g_codes, g_lo, g_scale, g_bits, g_slot, g_rows}, up = {u_codes, u_lo, u_scale, u_bits, u_slot, u_rows};
     int64_t groups = (n + group - 1) / group, tiles = (c + DECODE_TILE - 1) / DECODE_TILE;
-    float *bufs = malloc(sizeof(float) * 2 * group * DECODE_TILE * threads);
+    float *bufs = alloc(sizeof(float) * 2 * group * DECODE_TILE * threads);
     if (bufs == NULL) return -1;
     #pragma omp parallel num_threads(threads)
     {
