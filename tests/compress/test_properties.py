@@ -12,6 +12,8 @@ from hf_division.compress.pipeline import compress, decompress
 from hf_division.kernels import configured
 from hf_division.quant.exact_tokens import exceeds_median, outlier_candidates, outlier_tokens
 
+from tests.compress.reference import step_bound
+
 #: largest |x| generated per dtype: fp16 up to its maximum (fp16 activations reach it); fp32 and
 #: bf16 to 1e36, where ranges and block sums stay finite in float32 (GUIDE, "Limits and guarantees")
 LIMIT = {torch.float32: 1e36, torch.bfloat16: 1e36, torch.float16: torch.finfo(torch.float16).max}
@@ -79,6 +81,11 @@ def test_round_trip_error_bytes_and_size(x, layout):
     bound = step.double() * (1 + 2**-7) + x.double().abs() * torch.finfo(x.dtype).eps + 1e-30
     worst = (err - bound).max().item()
     assert worst <= 0, f"error exceeds one step by {worst:.3g}"
+    # and that step is no larger than the group's own range makes it (computed from x alone)
+    lfc = p.grouping == "tokens" and p.lfc is not None
+    limit = step_bound(x, p.bits, p.grouping, p.group_size, p.block_size, lfc) * (1 + 2**-6)
+    over = (step.double() - limit).max().item()
+    assert over <= 1e-30, f"a group's step exceeds its range / (2**bits - 1) by {over:.3g}"
 
 
 @settings(max_examples=100, deadline=None)
