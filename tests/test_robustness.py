@@ -310,7 +310,7 @@ def _replace_parameters(model) -> None:
 
 
 @pytest.mark.parametrize("model_type", ["bert", "llama"])
-@pytest.mark.parametrize("how", ["replaced", "assign"])
+@pytest.mark.parametrize("how", ["replaced", "assign", "to_empty"])
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16])
 def test_parameters_replaced_after_patching_get_their_gradients(model_type, how, autocast, batch):
     """Every parameter of a model patched and then given new parameter objects gets a gradient, the
@@ -324,8 +324,16 @@ def test_parameters_replaced_after_patching_get_their_gradients(model_type, how,
         apply_division(model, DivisionConfig(rounding="nearest"))
         if replace_after and how == "replaced":
             _replace_parameters(model)
-        elif replace_after:
+        elif replace_after and how == "assign":
             model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+        elif replace_after:  # what meta-device initialisation does: storage swapped, then loaded
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+            buffers = {k: v.clone() for k, v in model.named_buffers()}  # non-persistent ones too
+            model.to_empty(device="cpu")
+            model.load_state_dict(state)
+            with torch.no_grad():
+                for k, v in model.named_buffers():
+                    v.copy_(buffers[k])
         reseed(0)
         torch.manual_seed(1)
         with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
