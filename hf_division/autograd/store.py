@@ -41,14 +41,15 @@ def _traced(label: str):
 class Entry:
     """A saved activation held for backward. ``take()`` rebuilds it for one consumer."""
 
-    __slots__ = ("packed", "parents", "fn", "whole", "kind", "extra", "sign", "uses", "users", "_cache", "freed",
-                 "__weakref__")
+    __slots__ = ("packed", "parents", "fn", "whole", "kind", "extra", "sign", "zeros", "uses", "users", "_cache",
+                 "freed", "__weakref__")
 
     def __init__(self, kind: str, packed=None, parents: tuple = (), fn: Callable | None = None, extra=(), sign=None,
                  whole: Callable | None = None):
         self.packed, self.parents, self.fn, self.kind = packed, tuple(parents), fn, kind
         self.whole = whole  # ``whole(*parents)``: the recipe from the parent entries themselves, or None
         self.sign = sign  # (bits, n) of ``x > 0``, exact, for activations with a kink at 0
+        self.zeros = None  # (batch index, token index, token dim) of padding tokens that were all zero
         self.extra = tuple(extra)  # tensors a recipe needs (e.g. a dropout mask), for accounting
         self.uses = 0  # consumers that have not run their backward yet (in this backward)
         self.users = 0  # consumers in all
@@ -76,6 +77,8 @@ class Entry:
                 value = decompress(self.packed)
                 if self.sign is not None:
                     value = _with_sign(value, unpack_mask(*self.sign, value.shape))
+                if self.zeros is not None:
+                    value = _zero_tokens(value, *self.zeros)
         else:
             value = self._from_parents()
         if self.uses > 1:
@@ -94,7 +97,8 @@ class Entry:
         """The compressed tensor itself, for a kernel that reads it in place of :meth:`take` (the
         caller then calls :meth:`done`); None where the entry is a recipe, carries an exact sign,
         or is already rebuilt (then taking it costs nothing)."""
-        if self.packed is None or self.sign is not None or self._cache is not None or self.freed:
+        if (self.packed is None or self.sign is not None or self.zeros is not None or self._cache is not None
+                or self.freed):
             return None
         return self.packed
 
@@ -122,6 +126,7 @@ class Entry:
         p = self.packed
         own = p.storages() if p is not None else []
         own += [self.sign[0]] if self.sign is not None else []
+        own += list(self.zeros[:2]) if self.zeros is not None else []
         return own + list(self.extra)
 
 
@@ -254,8 +259,69 @@ def _keep_new(t: torch.Tensor, kind: str, config: DivisionConfig, exact_sign: bo
         packed = pack(t, kind, config)
         sign = pack_mask(t > 0) if exact_sign and packed.bits else None
         entry = Entry(kind, packed=packed, sign=sign)
+        entry.zeros = zero_padding_tokens(t) if packed.bits else None
         register(t, entry)
     return entry
+
+
+# ----------------------------------------------------------------------------- padding tokens
+class _Padding(threading.local):
+    """The padding positions ``(batch index, token index)`` of the batch whose training forward
+    runs in this thread (None: no padding, or not known)."""
+
+    positions = None
+    shape = None
+
+
+_padding = _Padding()
+
+
+@contextlib.contextmanager
+def padding_of(attention_mask):
+    """Within a training forward: the batch's padding positions, from its 2-D attention mask (0 =
+    padding), for :func:`zero_padding_tokens`. Read on the CPU only, where it costs no sync."""
+    positions = shape = None
+    if (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.device.type == "cpu"
+            and not attention_mask.dtype.is_floating_point):
+        pads = (attention_mask == 0).nonzero()
+        if len(pads):
+            positions, shape = (pads[:, 0], pads[:, 1]), tuple(attention_mask.shape)
+    before = _padding.positions, _padding.shape
+    _padding.positions, _padding.shape = positions, shape
+    try:
+        yield
+    finally:
+        _padding.positions, _padding.shape = before
+
+
+def zero_padding_tokens(t: torch.Tensor):
+    """``(batch index, token index, token dim)`` of the padding tokens whose values in ``t`` are all
+    exactly zero, or None. Why: a padding token whose embedding is zero (``padding_idx``) stays zero
+    through the layers, a norm's Jacobian there is ``1/sqrt(eps)``, and under left padding the last
+    padding token predicts the first real one: its gradient is then orders of magnitude above the
+    real tokens', and quantization noise in place of its zeros moved whole weight gradients (the
+    matrix test's left-padded Gemma 3, cosine 0.84). Rebuilt as zeros, they cost no error; found
+    among the padding positions only, so an unpadded batch pays nothing."""
+    if _padding.positions is None or t.dim() < 3:
+        return None
+    batch, tokens = _padding.shape
+    dim = next((d for d in (1, 2) if t.shape[0] == batch and t.shape[d] == tokens), None)
+    if dim is None:
+        return None
+    b, i = _padding.positions
+    rows = t[b, i] if dim == 1 else t[b, :, i]
+    zero = (rows == 0).flatten(1).all(1)
+    if not zero.any():
+        return None
+    return b[zero], i[zero], dim
+
+
+def _zero_tokens(value: torch.Tensor, b: torch.Tensor, i: torch.Tensor, dim: int) -> torch.Tensor:
+    if dim == 1:
+        value[b, i] = 0
+    else:
+        value[b, :, i] = 0
+    return value
 
 
 def _keep_row_scaled(t: torch.Tensor, kind: str, config: DivisionConfig) -> Entry | None:
@@ -270,7 +336,11 @@ def _keep_row_scaled(t: torch.Tensor, kind: str, config: DivisionConfig) -> Entr
         return None
     x, dtype = t.detach(), t.dtype  # the recipe must not reference ``t``: that would keep it alive
     rms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).mul_(x.shape[-1] ** -0.5)
-    rms = torch.where(rms > 0, rms, torch.ones_like(rms))
+    # a zero row (a padding token whose embedding is zero, as in Gemma) keeps the smallest scale: its
+    # codes then rebuild it as (almost) exactly zero. A norm's Jacobian at a zero row is 1/sqrt(eps),
+    # a thousand times its value at a row of a group's quantization noise; with left padding the last
+    # padding token predicts the first real one, so that Jacobian carries a gradient (issue 41)
+    rms = torch.where(rms > 0, rms, torch.full_like(rms, torch.finfo(torch.float32).tiny))
     fused = compress_row_scaled(x, rms, generator=generator(t.device), **config.compressor_args(kind))
     if fused is not None:  # the division and the product inside the kernels' passes
         if not fused.bits:

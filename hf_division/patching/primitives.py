@@ -30,6 +30,7 @@ from hf_division.autograd import rotary
 from hf_division.autograd.dropout import BitDropout
 from hf_division.autograd.ops import CheckpointFn, GatedFn, LinearFn, RecomputeFn
 from hf_division.autograd.saved_hooks import compressed_saves
+from hf_division.autograd.store import padding_of
 from hf_division.patching.wrappers import (
     PatchState, config_for, forget_lost, in_training, unpatched_forward, wrap_forward,
 )
@@ -205,7 +206,8 @@ def patch_root(state: PatchState, model: nn.Module, repatch) -> None:
                 return orig(*args, **kwargs)
             if sum(1 for _ in self.modules()) != state.n_modules or forget_lost(state):
                 repatch()
-            with model_stream(self), BitDropout() if config.dropout_bits else contextlib.nullcontext():
+            with model_stream(self), padding_of(kwargs.get("attention_mask")), \
+                    BitDropout() if config.dropout_bits else contextlib.nullcontext():
                 return orig(*args, **kwargs)
 
         return forward
