@@ -6,9 +6,15 @@ PyTorch alone would either raise an error that does not say why (``backward(crea
 or, for ``torch.autograd.grad(..., create_graph=True)`` followed by a backward of the result, let
 the second-order terms through these ops vanish. A backward that runs with grad mode on is one
 asked to build a graph (``create_graph=True``): it raises instead (docs/GUIDE.md, "Limits and guarantees").
+
+They also run with autocast off: each chooses its dtypes itself (float32 accumulators written with
+``out=``), and a ``backward()`` called inside the forward's ``torch.autocast`` block, which PyTorch
+allows, would otherwise recast their products to bfloat16 against float32 outputs (issue 41). A
+recomputation in backward re-enters the forward's autocast state explicitly (``autocast_as``).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -21,6 +27,10 @@ HIGHER_ORDER = (
 )
 
 
+#: device types whose autocast a backward switches off while it runs
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
 def first_order(backward):
     """``once_differentiable(backward)`` that raises a RuntimeError naming hf-division when the
     backward is asked for a graph of itself."""
@@ -30,6 +40,12 @@ def first_order(backward):
     def wrapper(ctx, *grads):
         if torch.is_grad_enabled():
             raise RuntimeError(HIGHER_ORDER)
-        return inner(ctx, *grads)
+        on = [device for device in AUTOCAST_DEVICES if torch.is_autocast_enabled(device)]
+        if not on:
+            return inner(ctx, *grads)
+        with contextlib.ExitStack() as stack:
+            for device in on:
+                stack.enter_context(torch.autocast(device, enabled=False))
+            return inner(ctx, *grads)
 
     return wrapper

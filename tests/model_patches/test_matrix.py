@@ -1,0 +1,116 @@
+"""The combinations users hit, for every registered family on tiny models: precision (fp32, bf16
+and fp16 autocast) x padding (none, right, left as in generation-style batches) x attention (eager,
+sdpa), each at a sequence length that is a multiple of the block and group sizes and one that is
+not, at batch 1 and batch > 1, the backward called outside autocast and inside it (which PyTorch
+allows). Each case runs one step with division and the same step unpatched, and checks what the
+product promises: the training forward bit-identical, every parameter that gets a gradient
+unpatched gets one, and the gradient within the bounds of docs/GUIDE.md ("Gradient fidelity").
+
+Decoder-only families train as causal LMs (labels = the input ids, -100 at the padding: what a
+fine-tune of one computes); the others keep their tiny classification head. Families whose input
+is not a token sequence (pixels, audio) have no padding axis and run the precision x attention
+cases only.
+"""
+import itertools
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_division as hd
+from hf_division.analysis.fidelity import cosine
+from hf_division.bench.tiny_models import case, tiny_batch, tiny_config, token_batch
+from hf_division.compress.noise import reseed
+
+from conftest import tiny_model
+
+TYPES = hd.supported_model_types()
+DECODERS = {"falcon", "gemma", "gemma2", "gemma3_text", "gpt2", "gpt_neox", "llama", "mistral", "mixtral", "opt", "phi",
+            "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}
+TOKENS = {t for t in TYPES if getattr(case(t).batch, "func", case(t).batch) is token_batch}
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+PADDINGS = ["none", "right", "left"]
+IMPLS = ["eager", "sdpa"]
+#: (sequence length, batch): 64 is a multiple of every block (8, 16) and of the token groups' 32;
+#: 37 is a multiple of none, with a partial last block and group
+SHAPES = [(64, 3), (37, 1), (37, 3), (64, 1)]
+#: known exception (docs/GUIDE.md, "Gradient fidelity"): Qwen2-MoE's grouped experts gather the routed tokens
+#: into rows that no longer line up with the batch's padding, so zero padding tokens there are not found
+#: and rebuilt as zeros; a left-padded single row then leaves the experts' down_proj at cosine 0.88-0.90
+#: (whole gradient 0.99995)
+KNOWN = {"qwen2_moe-fp32-left-sdpa-37x1-inside", "qwen2_moe-fp16-left-sdpa-37x1-inside"}
+#: whole-gradient cosine and per-tensor cosine (tensors with >= 1% of the gradient's norm), one noise
+#: draw per case; measured minima over the matrix are in docs/GUIDE.md ("Gradient fidelity")
+WHOLE, PER_TENSOR, SHARE = 0.98, 0.9, 0.01
+
+
+def _cases():
+    for model_type in TYPES:
+        paddings = PADDINGS if model_type in TOKENS else ["none"]
+        combos = list(itertools.product(PRECISIONS, paddings, IMPLS))
+        for i, (precision, padding, impl) in enumerate(combos):
+            # every family sees every shape and both backward placements, spread over its combos
+            seq, batch = SHAPES[i % len(SHAPES)]
+            name = f"{model_type}-{precision}-{padding}-{impl}-{seq}x{batch}-{'inside' if i % 2 else 'outside'}"
+            marks = [pytest.mark.xfail(strict=True, reason="experts' rows: see KNOWN")] if name in KNOWN else []
+            yield pytest.param(model_type, precision, padding, impl, seq, batch, i % 2 == 1, id=name, marks=marks)
+
+
+def _model(model_type: str, impl: str):
+    if model_type in DECODERS:
+        torch.manual_seed(0)
+        try:
+            return AutoModelForCausalLM.from_config(tiny_config(model_type, impl), attn_implementation=impl)
+        except ValueError as err:
+            if "does not support an attention implementation" in str(err):
+                pytest.skip(f"{model_type} has no {impl} attention in Transformers")
+            raise
+    return tiny_model(model_type, impl)
+
+
+def _batch(model_type: str, padding: str, seq: int, batch: int) -> dict:
+    ends = None
+    if padding != "none":  # the first row whole, the others shorter by different amounts
+        ends = [seq] + [max(2, seq - 5 - 7 * i) for i in range(1, batch)] if batch > 1 else [seq - 9]
+    out = tiny_batch(batch=batch, seq=seq, seed=1, pad_from=ends, model_type=model_type)
+    if padding == "left":  # the same rows with their padding moved to the front
+        lengths = out["attention_mask"].sum(1).tolist()
+        for key in ("input_ids", "attention_mask"):
+            out[key] = torch.stack([row.roll(seq - n) for row, n in zip(out[key], lengths)])
+    if model_type in DECODERS:
+        out["labels"] = out["input_ids"].masked_fill(out["attention_mask"] == 0, -100)
+    return out
+
+
+def _step(model, batch: dict, amp, inside: bool):
+    """Logits and named gradients of one training step (dropout seeded, rounding noise restarted)."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)
+    reseed(0)
+    with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
+        out = model(**batch)
+        if inside:
+            out.loss.backward()
+    if not inside:
+        out.loss.backward()
+    grads = {n: p.grad.double().flatten() for n, p in model.named_parameters() if p.grad is not None}
+    return out.logits.detach(), out.loss.detach(), grads
+
+
+@pytest.mark.parametrize("model_type,precision,padding,impl,seq,batch,inside", list(_cases()))
+def test_step_matches_the_unpatched_model(model_type, precision, padding, impl, seq, batch, inside):
+    model = _model(model_type, impl)
+    data = _batch(model_type, padding, seq, batch)
+    amp = PRECISIONS[precision]
+    logits, _, exact = _step(model, data, amp, inside)
+    hd.apply_division(model)
+    got_logits, _, got = _step(model, data, amp, inside)
+    assert torch.equal(got_logits, logits), "training forward changed"
+    assert sorted(got) == sorted(exact), f"gradients missing: {sorted(set(exact) - set(got))}"
+    flat = torch.cat([exact[n] for n in exact])
+    whole = cosine(flat, torch.cat([got[n] for n in exact]))
+    norm = flat.norm()
+    tensors = {n: cosine(exact[n], got[n]) for n in exact if exact[n].norm() >= SHARE * norm}
+    worst = min(tensors.items(), key=lambda item: item[1])
+    assert whole >= WHOLE and worst[1] >= PER_TENSOR, (whole, worst)
