@@ -1,7 +1,13 @@
-"""Gradient fidelity: cosine between the exact gradient and the division gradient."""
+"""Gradient fidelity: how far division's gradient is from the exact one, measured three ways
+(docs/GUIDE.md, "Gradient fidelity"): the whole gradient's cosine, minimum over noise draws; the
+per-tensor cosine, minimum over the tensors that carry the gradient; and division's added variance
+against the minibatch's own sampling variance (GACT's criterion: an added 10% is a 10% smaller
+effective batch)."""
 from __future__ import annotations
 
 import contextlib
+import statistics
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -9,6 +15,27 @@ import torch
 from hf_division.config import DivisionConfig
 from hf_division.api import apply_division, remove_division, restored_division
 from hf_division.compress.noise import reseed
+
+
+def named_grads(model: torch.nn.Module, inputs: dict, seed: int, autocast: torch.dtype | None = None, *,
+                reseed_noise: bool = False, select: Callable[[str], bool] | None = None,
+                noise_seed: int | None = None) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient of one training step, flattened to float64, by name (arguments as
+    :func:`flat_grad`); parameters without a gradient are left out."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    if noise_seed is not None or reseed_noise:
+        reseed(seed if noise_seed is None else noise_seed)
+    device = next(model.parameters()).device.type
+    amp = torch.autocast(device, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+    with amp:
+        loss = model(**inputs).loss
+    loss.backward()
+    grads = {name: p.grad.flatten().double() for name, p in model.named_parameters()
+             if p.grad is not None and (select is None or select(name))}
+    model.zero_grad(set_to_none=True)
+    return grads
 
 
 def flat_grad(model: torch.nn.Module, inputs: dict, seed: int, autocast: torch.dtype | None = None, *,
@@ -25,20 +52,8 @@ def flat_grad(model: torch.nn.Module, inputs: dict, seed: int, autocast: torch.d
     draws of one step). ``select``: keep only the parameters whose name it accepts (e.g. a PEFT
     adapter's).
     """
-    model.train()
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(seed)
-    if noise_seed is not None or reseed_noise:
-        reseed(seed if noise_seed is None else noise_seed)
-    device = next(model.parameters()).device.type
-    amp = torch.autocast(device, dtype=autocast) if autocast is not None else contextlib.nullcontext()
-    with amp:
-        loss = model(**inputs).loss
-    loss.backward()
-    grads = [p.grad.flatten().double() for name, p in model.named_parameters()
-             if p.grad is not None and (select is None or select(name))]
-    model.zero_grad(set_to_none=True)
-    return torch.cat(grads)
+    grads = named_grads(model, inputs, seed, autocast, reseed_noise=reseed_noise, select=select, noise_seed=noise_seed)
+    return torch.cat(list(grads.values()))
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -59,3 +74,79 @@ def gradient_cosine(model, inputs: dict, config: DivisionConfig | None = None, s
             apply_division(model, config or before or DivisionConfig())
             out.append(cosine(exact, flat_grad(model, inputs, seed, select=select)))
     return out
+
+
+@dataclass
+class Fidelity:
+    """Division's gradient against the exact one over noise draws (see :func:`gradient_fidelity`)."""
+
+    whole: list[float]  # cosine of the whole gradient, per draw
+    per_tensor: dict[str, float]  # minimum over draws of each carrying tensor's cosine
+    missing: list[str] = field(default_factory=list)  # tensors with an exact gradient and none under division
+
+    @property
+    def worst(self) -> float:
+        """The minimum whole-gradient cosine over the draws."""
+        return min(self.whole)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.whole)
+
+    @property
+    def worst_tensor(self) -> tuple[str, float]:
+        """``(name, cosine)`` of the carrying tensor with the lowest cosine in any draw."""
+        return min(self.per_tensor.items(), key=lambda item: item[1]) if self.per_tensor else ("", 1.0)
+
+    def summary(self) -> str:
+        name, cos = self.worst_tensor
+        return (f"cosine min {self.worst:.4f} median {self.median:.4f} over {len(self.whole)} draws; "
+                f"per-tensor min {cos:.4f} ({name})" + (f"; no gradient: {self.missing}" if self.missing else ""))
+
+
+def gradient_fidelity(model, inputs: dict, config: DivisionConfig | None = None, draws: int = 20, *, seed: int = 0,
+                      autocast: torch.dtype | None = None, select: Callable[[str], bool] | None = None,
+                      share: float = 0.01) -> Fidelity:
+    """Division's gradient on ``inputs`` against the exact one (the model unpatched, same dropout
+    masks) over ``draws`` rounding-noise draws: the whole-gradient cosine per draw, and per tensor
+    the minimum cosine over the draws, for the tensors holding at least ``share`` of the exact
+    gradient's norm (the others can point anywhere without moving the step). The model is left
+    patched or not as it was found."""
+    with restored_division(model) as before:
+        remove_division(model)
+        exact = named_grads(model, inputs, seed, autocast, select=select)
+        apply_division(model, config or before or DivisionConfig())
+        flat = torch.cat(list(exact.values()))
+        norm = flat.norm()
+        carrying = [n for n, g in exact.items() if g.norm() >= share * norm]
+        whole, per_tensor, missing = [], {n: 1.0 for n in carrying}, set()
+        for draw in range(draws):
+            got = named_grads(model, inputs, seed, autocast, select=select, noise_seed=1000 + draw)
+            missing |= set(exact) - set(got)
+            whole.append(cosine(flat, torch.cat([got.get(n, torch.zeros_like(g)) for n, g in exact.items()])))
+            for n in carrying:
+                if n in got:
+                    per_tensor[n] = min(per_tensor[n], cosine(exact[n], got[n]))
+                else:
+                    per_tensor[n] = 0.0
+    return Fidelity(whole, per_tensor, sorted(missing))
+
+
+def added_variance(model, batches: list[dict], config: DivisionConfig | None = None, draws: int = 2, *, seed: int = 0,
+                   autocast: torch.dtype | None = None, select: Callable[[str], bool] | None = None) -> float:
+    """Division's added variance as a fraction of the minibatch sampling variance at the size of
+    ``batches`` (GACT, ICML 2022): ``mean over batches and draws of |g_div - g|^2`` over ``mean over
+    batches of |g - mean g|^2``, with ``g`` each batch's exact gradient. Several batches of the
+    same size from one dataset are needed (at least 2; 6 or more for a stable figure)."""
+    if len(batches) < 2:
+        raise ValueError("added_variance: batches needs at least 2 batches of the same size")
+    with restored_division(model) as before:
+        remove_division(model)
+        exact = [flat_grad(model, b, seed, autocast, select=select) for b in batches]
+        apply_division(model, config or before or DivisionConfig())
+        added = [(flat_grad(model, b, seed, autocast, select=select, noise_seed=1000 + d) - g).pow(2).sum().item()
+                 for b, g in zip(batches, exact) for d in range(draws)]
+    mean = torch.stack(exact).mean(0)
+    sampling = [(g - mean).pow(2).sum().item() for g in exact]
+    # the sample variance about the batches' own mean: n - 1 degrees of freedom
+    return statistics.fmean(added) / (sum(sampling) / (len(exact) - 1))

@@ -1,0 +1,53 @@
+"""The three fidelity measures (hf_division/analysis/fidelity.py; docs/GUIDE.md, "Gradient fidelity")."""
+import pytest
+import torch
+
+import hf_division as hd
+from hf_division.analysis.fidelity import added_variance, cosine, gradient_fidelity, named_grads
+from hf_division.api import division_config_of
+
+from conftest import tiny_batch, tiny_model
+
+EXACT = hd.DivisionConfig(linear_bits=0, attention_bits=0, activation_bits=0, norm_bits=0)
+
+
+def test_fidelity_over_draws_and_per_tensor():
+    model = tiny_model("llama", "sdpa")
+    batch = tiny_batch(batch=4, seq=64, pad_from=[64, 40, 64, 20])
+    f = gradient_fidelity(model, batch, draws=4)
+    assert len(f.whole) == 4 and len(set(f.whole)) > 1  # the draws differ
+    assert 0.98 <= f.worst <= f.median < 1 and not f.missing
+    # per tensor, from the gradients themselves: the carrying tensors and their worst cosine
+    exact = named_grads(model, batch, 0)
+    norm = torch.cat(list(exact.values())).norm()
+    assert set(f.per_tensor) == {n for n, g in exact.items() if g.norm() >= 0.01 * norm}
+    name, worst = f.worst_tensor
+    assert worst == min(f.per_tensor.values()) < f.worst  # a tensor sits below the whole gradient
+    assert division_config_of(model) is None  # left as found
+    # every kind exact: the same gradient (up to summation order) in every draw
+    same = gradient_fidelity(model, batch, EXACT, draws=2)
+    assert same.worst > 1 - 1e-9 and min(same.per_tensor.values()) > 1 - 1e-9
+    # 1-bit linear inputs: a visibly worse gradient, which the per-tensor minimum shows first
+    coarse = gradient_fidelity(model, batch, hd.DivisionConfig(linear_bits=1), draws=2)
+    assert coarse.worst_tensor[1] < worst
+
+
+def test_added_variance_against_the_sampling_variance():
+    model = tiny_model("bert", "eager", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    batches = [tiny_batch(batch=4, seq=32, seed=s) for s in range(4)]
+    ratio = added_variance(model, batches, draws=2)
+    assert 0 < ratio < 0.1
+    assert added_variance(model, batches, EXACT, draws=1) < 1e-9
+    # the definition, computed here: mean |g_div - g|^2 over mean-corrected |g - mean g|^2
+    exact = [torch.cat(list(named_grads(model, b, 0).values())) for b in batches]
+    hd.apply_division(model, hd.DivisionConfig(linear_bits=1))
+    div = [torch.cat(list(named_grads(model, b, 0, noise_seed=1000).values())) for b in batches]
+    hd.remove_division(model)
+    mean = torch.stack(exact).mean(0)
+    want = sum((d - g).pow(2).sum() for d, g in zip(div, exact)).item() / len(batches) / (
+        sum((g - mean).pow(2).sum() for g in exact).item() / (len(batches) - 1))
+    got = added_variance(model, batches, hd.DivisionConfig(linear_bits=1), draws=1)
+    assert got == pytest.approx(want, rel=1e-9) and got > ratio
+    assert cosine(exact[0], div[0]) < 1
+    with pytest.raises(ValueError, match="batches"):
+        added_variance(model, batches[:1])
