@@ -78,14 +78,25 @@ class CausalLMLossFn(torch.autograd.Function):
         safe = targets.masked_fill(~valid, 0)
         wide = torch.promote_types(flat.dtype, torch.float32)  # float32 as Transformers' loss; float64 stays
         lse = torch.empty(flat.shape[0], dtype=wide, device=flat.device)
-        picked = torch.empty_like(lse)
+        logp = torch.empty((flat.shape[0], 1), dtype=wide, device=flat.device)
         step = token_rows(flat.shape[1])
         for start in range(0, flat.shape[0], step):
-            z = flat[start : start + step].to(wide)
-            lse[start : start + step] = torch.logsumexp(z, dim=-1)
-            picked[start : start + step] = z.gather(1, safe[start : start + step, None]).squeeze(1)
-        denominator = valid.sum() if num_items is None else torch.as_tensor(num_items, device=flat.device)
-        loss = ((lse - picked) * valid).sum() / denominator
+            rows = slice(start, start + step)
+            z = flat[rows].to(wide)
+            lse[rows] = torch.logsumexp(z, dim=-1)
+            # each row's log-probability as cross_entropy's log_softmax computes it (row by row, so a
+            # chunk of rows gives the same values as the whole)
+            logp[rows] = F.log_softmax(z, dim=-1).gather(1, safe[rows, None])
+        # the loss as Transformers' own, to the bit: nll_loss over the picked log-probabilities sums
+        # them in the order and with the reduction cross_entropy's nll_loss uses over the full rows
+        # (docs/DESIGN.md, "Causal-LM loss")
+        picked_targets = torch.zeros_like(targets).masked_fill_(~valid, ignore_index)
+        if num_items is None:
+            denominator = valid.sum()
+            loss = F.nll_loss(logp, picked_targets, ignore_index=ignore_index, reduction="mean")
+        else:
+            denominator = torch.as_tensor(num_items, device=flat.device)
+            loss = F.nll_loss(logp, picked_targets, ignore_index=ignore_index, reduction="sum") / denominator
         ctx.save_for_backward(hidden, weight, bias, lse, safe, valid, denominator)
         ctx.logits_dtype = logits.dtype
         return loss

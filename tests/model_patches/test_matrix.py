@@ -3,7 +3,7 @@ and fp16 autocast) x padding (none, right, left as in generation-style batches) 
 sdpa), each at a sequence length that is a multiple of the block and group sizes and one that is
 not, at batch 1 and batch > 1, the backward called outside autocast and inside it (which PyTorch
 allows). Each case runs one step with division and the same step unpatched, and checks what the
-product promises: the training forward bit-identical, every parameter that gets a gradient
+product promises: the training forward and its loss bit-identical, every parameter that gets a gradient
 unpatched gets one, and the gradient within the bounds of docs/GUIDE.md ("Gradient fidelity").
 
 Decoder-only families train as causal LMs (labels = the input ids, -100 at the padding: what a
@@ -103,10 +103,11 @@ def test_step_matches_the_unpatched_model(model_type, precision, padding, impl, 
     model = _model(model_type, impl)
     data = _batch(model_type, padding, seq, batch)
     amp = PRECISIONS[precision]
-    logits, _, exact = _step(model, data, amp, inside)
+    logits, loss, exact = _step(model, data, amp, inside)
     hd.apply_division(model)
-    got_logits, _, got = _step(model, data, amp, inside)
+    got_logits, got_loss, got = _step(model, data, amp, inside)
     assert torch.equal(got_logits, logits), "training forward changed"
+    assert torch.equal(got_loss, loss), f"training loss changed by {(got_loss - loss).item():.3g}"
     assert sorted(got) == sorted(exact), f"gradients missing: {sorted(set(exact) - set(got))}"
     flat = torch.cat([exact[n] for n in exact])
     whole = cosine(flat, torch.cat([got[n] for n in exact]))
