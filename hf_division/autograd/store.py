@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from hf_division.autograd.accounting import account
+from hf_division.autograd.padding import zero_padding_tokens, zero_tokens
 from hf_division.quant.packed import Packed
 from hf_division.compress.pipeline import cast_finite, compress, compress_row_scaled, decompress
 from hf_division.config import DivisionConfig
@@ -78,7 +79,7 @@ class Entry:
                 if self.sign is not None:
                     value = _with_sign(value, unpack_mask(*self.sign, value.shape))
                 if self.zeros is not None:
-                    value = _zero_tokens(value, *self.zeros)
+                    value = zero_tokens(value, *self.zeros)
         else:
             value = self._from_parents()
         if self.uses > 1:
@@ -262,66 +263,6 @@ def _keep_new(t: torch.Tensor, kind: str, config: DivisionConfig, exact_sign: bo
         entry.zeros = zero_padding_tokens(t) if packed.bits else None
         register(t, entry)
     return entry
-
-
-# ----------------------------------------------------------------------------- padding tokens
-class _Padding(threading.local):
-    """The padding positions ``(batch index, token index)`` of the batch whose training forward
-    runs in this thread (None: no padding, or not known)."""
-
-    positions = None
-    shape = None
-
-
-_padding = _Padding()
-
-
-@contextlib.contextmanager
-def padding_of(attention_mask):
-    """Within a training forward: the batch's padding positions, from its 2-D attention mask (0 =
-    padding), for :func:`zero_padding_tokens`. Read on the CPU only, where it costs no sync."""
-    positions = shape = None
-    if (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.device.type == "cpu"
-            and not attention_mask.dtype.is_floating_point):
-        pads = (attention_mask == 0).nonzero()
-        if len(pads):
-            positions, shape = (pads[:, 0], pads[:, 1]), tuple(attention_mask.shape)
-    before = _padding.positions, _padding.shape
-    _padding.positions, _padding.shape = positions, shape
-    try:
-        yield
-    finally:
-        _padding.positions, _padding.shape = before
-
-
-def zero_padding_tokens(t: torch.Tensor):
-    """``(batch index, token index, token dim)`` of the padding tokens whose values in ``t`` are all
-    exactly zero, or None. Why: a padding token whose embedding is zero (``padding_idx``) stays zero
-    through the layers, a norm's Jacobian there is ``1/sqrt(eps)``, and under left padding the last
-    padding token predicts the first real one: its gradient is then orders of magnitude above the
-    real tokens', and quantization noise in place of its zeros moved whole weight gradients (the
-    matrix test's left-padded Gemma 3, cosine 0.84). Rebuilt as zeros, they cost no error; found
-    among the padding positions only, so an unpadded batch pays nothing."""
-    if _padding.positions is None or t.dim() < 3:
-        return None
-    batch, tokens = _padding.shape
-    dim = next((d for d in (1, 2) if t.shape[0] == batch and t.shape[d] == tokens), None)
-    if dim is None:
-        return None
-    b, i = _padding.positions
-    rows = t[b, i] if dim == 1 else t[b, :, i]
-    zero = (rows == 0).flatten(1).all(1)
-    if not zero.any():
-        return None
-    return b[zero], i[zero], dim
-
-
-def _zero_tokens(value: torch.Tensor, b: torch.Tensor, i: torch.Tensor, dim: int) -> torch.Tensor:
-    if dim == 1:
-        value[b, i] = 0
-    else:
-        value[b, :, i] = 0
-    return value
 
 
 def _keep_row_scaled(t: torch.Tensor, kind: str, config: DivisionConfig) -> Entry | None:

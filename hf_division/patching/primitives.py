@@ -30,7 +30,7 @@ from hf_division.autograd import rotary
 from hf_division.autograd.dropout import BitDropout
 from hf_division.autograd.ops import CheckpointFn, GatedFn, LinearFn, RecomputeFn
 from hf_division.autograd.saved_hooks import compressed_saves
-from hf_division.autograd.store import padding_of
+from hf_division.autograd.padding import padding_of
 from hf_division.patching.wrappers import (
     PatchState, config_for, forget_lost, in_training, unpatched_forward, wrap_forward,
 )

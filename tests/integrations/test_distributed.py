@@ -29,7 +29,7 @@ cancels across examples while division's rounding noise does not, and per-tensor
 launcher goes multi-process only through mpirun), so the 2-process CPU launch is
 ``ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2`` (torchrun underneath,
 gloo backend, ``DistributedType.MULTI_CPU``). The scripts run unchanged: the launched program is
-this file (``script`` worker), which runs the script as ``__main__`` and records each optimizer
+this file (``script`` worker), which runs the script as ``hf-division run`` does and records each optimizer
 step with a global optimizer pre-hook. Run as a script this file is that worker, the FSDP worker
 (``fsdp``), or prints the figures (``python tests/integrations/test_distributed.py figures [SEEDS...]``,
 seeds 0-4 by default, about 80 s a seed).
@@ -38,7 +38,6 @@ import gc
 import json
 import math
 import os
-import runpy
 import signal
 import socket
 import subprocess
@@ -226,8 +225,9 @@ def _script_worker(grads_out: str, script: str, args: list) -> None:
 
     register_module_forward_hook(forward, with_kwargs=True)
     register_optimizer_step_pre_hook(record)
-    sys.argv = [script, *args]
-    runpy.run_path(script, run_name="__main__")
+    from hf_division.integrations.launcher import run_script
+
+    run_script(script, args)  # as ``hf-division run SCRIPT ARGS``: the script as __main__
     if rank0:
         torch.save(steps, grads_out)
 

@@ -137,7 +137,7 @@ def test_checkpointing_replaced_by_the_bytes(tmp_path, caplog, monkeypatch, voca
 
     from transformers.utils import logging as hf_logging
 
-    from hf_division.integrations import trainer as integration
+    from hf_division.integrations import checkpointing as integration
 
     import re
 
@@ -171,7 +171,7 @@ def test_forced_replace_says_when_it_does_not_fit(tmp_path, caplog, monkeypatch)
 
     from transformers.utils import logging as hf_logging
 
-    from hf_division.integrations import trainer as integration
+    from hf_division.integrations import checkpointing as integration
 
     monkeypatch.setattr(integration, "free_bytes", lambda module: 0)
     hf_logging.enable_propagation()
