@@ -52,6 +52,14 @@ def zero_padding_tokens(t: torch.Tensor):
     if dim is None:
         return None
     b, i = _padding.positions
+    # one element per padding token first: where it is not zero (padding by an end-of-text token,
+    # the common case) the token is not read further, so a padded batch pays a gather of scalars
+    rest = (0,) * (t.dim() - 1 - dim)
+    first = t[(b, i, *rest)] if dim == 1 else t[(b, 0, i, *rest)]
+    maybe = (first == 0).nonzero().squeeze(1)
+    if not len(maybe):
+        return None
+    b, i = b[maybe], i[maybe]
     rows = t[b, i] if dim == 1 else t[b, :, i]
     zero = (rows == 0).flatten(1).all(1)
     if not zero.any():
