@@ -43,7 +43,9 @@ def patch_linear(state: PatchState, module: nn.Module, transposed: bool = False,
 
     def make(orig):
         def forward(self, x):
-            if in_training(self) and self.weight.requires_grad and config.bits(kind):
+            # a frozen layer (LoRA's base) keeps no input, but through LinearFn it keeps its weight by
+            # reference where autograd keeps autocast's low-precision copy of it for the input gradient
+            if in_training(self) and (config.bits(kind) if self.weight.requires_grad else x.requires_grad):
                 return LinearFn.apply(x, self.weight, self.bias, orig, transposed, config, kind)
             return orig(x)
 

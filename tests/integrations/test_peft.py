@@ -5,7 +5,7 @@ import torch
 
 import hf_division as hd
 from hf_division import api
-from hf_division.analysis.fidelity import gradient_cosine
+from hf_division.analysis.fidelity import flat_grad, gradient_cosine
 
 from conftest import tiny_batch, tiny_model
 
@@ -101,3 +101,43 @@ def test_other_peft_methods(method):
     assert min(cos) >= 0.98, cos
     mem = hd.measure_activation_memory(wrapped, batch)
     assert mem.ratio >= 2, mem.table()
+
+
+def _saved_during_forward(model, batch, autocast=torch.bfloat16):
+    """Every tensor autograd saves in one training forward of ``model`` under ``autocast``."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    model.train()
+    with torch.autocast("cpu", dtype=autocast), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(**batch)
+    return saved
+
+
+def test_frozen_base_layers_keep_no_autocast_weight_copy():
+    """LoRA's frozen base layers under bf16 autocast keep their weight by reference, not autocast's
+    bf16 copy of it, which the unpatched forward keeps for the input gradient: a copy of every base
+    weight held until backward."""
+    lora = peft.get_peft_model(tiny_model("llama", "sdpa"), peft.LoraConfig(r=4, target_modules="all-linear"))
+    batch = tiny_batch(batch=2, seq=32, model_type="llama")
+    frozen = [m.base_layer.weight for m in lora.modules() if hasattr(m, "base_layer")
+              and isinstance(m.base_layer, torch.nn.Linear)]
+    shapes = {tuple(w.shape) for w in frozen} | {tuple(w.shape[::-1]) for w in frozen}
+
+    def copies(saved):
+        return [t for t in saved if t.dtype == torch.bfloat16 and t.dim() == 2 and tuple(t.shape) in shapes]
+
+    assert len(copies(_saved_during_forward(lora, batch))) >= len(frozen)  # the unpatched forward keeps them
+    exact = flat_grad(lora, batch, 0, torch.bfloat16, select=lambda n: "lora_" in n)
+    hd.apply_division(lora)
+    assert not copies(_saved_during_forward(lora, batch))
+    hd.remove_division(lora)
+    # every kind exact: the adapters' gradient is the unpatched one (the input gradient through the
+    # frozen weights computed from the same bf16 rounding of them)
+    hd.apply_division(lora, hd.DivisionConfig(linear_bits=0, attention_bits=0, activation_bits=0, norm_bits=0))
+    got = flat_grad(lora, batch, 0, torch.bfloat16, select=lambda n: "lora_" in n)
+    assert torch.nn.functional.cosine_similarity(got, exact, dim=0).item() > 0.9999
+    hd.remove_division(lora)
