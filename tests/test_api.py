@@ -253,7 +253,7 @@ def test_compressed_copies_freed_after_last_use_unless_graph_retained():
 
 def test_bookkeeping_runs_outside_torch_function_modes():
     """Division's own tensor code (compressing, mask bits) skips every TorchFunctionMode's Python
-    handler: under the patched forward's BitDropout mode each of its torch calls paid one."""
+    handler: under the patched forward's ForwardMode each of its torch calls paid one."""
     from torch.overrides import TorchFunctionMode
 
     from hf_division.autograd.store import bookkeeping

@@ -7,11 +7,7 @@ kernel where it gives ATen's own (:func:`hf_division.kernels.native.bernoulli_bi
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_division.autograd.accounting import account_tensors
@@ -77,27 +73,6 @@ class DropoutFn(torch.autograd.Function):
     @first_order
     def backward(ctx, grad):
         return DropoutFn.noise_times(ctx, grad), None
-
-
-class BitDropout(TorchFunctionMode):
-    """Routes ``F.dropout`` (what ``nn.Dropout`` calls too) to :class:`DropoutFn` where autograd
-    would keep a mask: training, grad enabled, input requiring grad, not in place."""
-
-    def __new__(cls, *args, **kwargs):
-        # Under torch.compile, Dynamo mis-traces some models inside any TorchFunctionMode (Llama: a
-        # tensor's ``.device`` read back as its shape); there, dropout is left to the compiler.
-        if torch.compiler.is_compiling():
-            return contextlib.nullcontext()
-        return super().__new__(cls)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.dropout and torch.is_grad_enabled():
-            bound = dict(zip(("input", "p", "training", "inplace"), args), **kwargs)
-            x, p = bound["input"], bound.get("p", 0.5)
-            if bound.get("training", True) and not bound.get("inplace", False) and 0 < p < 1 and x.requires_grad:
-                return DropoutFn.apply(x, p)
-        return func(*args, **kwargs)
 
 
 class DropoutMasks(TorchDispatchMode):

@@ -10,7 +10,6 @@ replaced in a :class:`PatchState`; :mod:`hf_division.api` owns that state's life
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 import warnings
@@ -27,7 +26,7 @@ from hf_division.autograd.rms_norm import eps_of as rms_norm_eps, rms_norm, take
 from hf_division.autograd.lm_loss import causal_lm_loss, tag_logits
 from hf_division.compress.noise import model_stream
 from hf_division.autograd import rotary
-from hf_division.autograd.dropout import BitDropout
+from hf_division.autograd.forward_mode import ForwardMode
 from hf_division.autograd.ops import CheckpointFn, GatedFn, LinearFn, RecomputeFn
 from hf_division.autograd.saved_hooks import compressed_saves
 from hf_division.autograd.padding import padding_of
@@ -197,7 +196,8 @@ def patch_root(state: PatchState, model: nn.Module, repatch) -> None:
     run, by calling ``repatch`` when the module count changed, and modules whose forward another
     library replaced since (:func:`forget_lost`) get patched again; (2) every dropout, ``nn.Dropout`` or
     functional (OPT calls ``F.dropout`` directly), keeps its mask as bits: the forward runs under a
-    ``TorchFunctionMode`` that routes ``F.dropout`` to :class:`DropoutFn`; (3) the rounding noise
+    ``TorchFunctionMode`` (:class:`~hf_division.autograd.forward_mode.ForwardMode`) that routes ``F.dropout``
+    to :class:`DropoutFn`, and lets a dtype cast of a held tensor share its copy; (3) the rounding noise
     comes from the model's own streams (:func:`~hf_division.compress.noise.model_stream`)."""
     config = state.config
     state.n_modules = sum(1 for _ in model.modules())
@@ -208,8 +208,7 @@ def patch_root(state: PatchState, model: nn.Module, repatch) -> None:
                 return orig(*args, **kwargs)
             if sum(1 for _ in self.modules()) != state.n_modules or forget_lost(state):
                 repatch()
-            with model_stream(self), padding_of(kwargs.get("attention_mask")), \
-                    BitDropout() if config.dropout_bits else contextlib.nullcontext():
+            with model_stream(self), padding_of(kwargs.get("attention_mask")), ForwardMode(config.dropout_bits):
                 return orig(*args, **kwargs)
 
         return forward

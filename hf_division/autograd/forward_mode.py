@@ -1,0 +1,64 @@
+"""The mode a patched model's training forward runs under (:func:`hf_division.patching.primitives.patch_root`):
+a ``TorchFunctionMode`` that sees the torch calls the model's own code makes between division's
+patched modules, where no Function of ours runs."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from hf_division.autograd.dropout import DropoutFn
+from hf_division.autograd.store import bookkeeping, derive, lookup
+
+#: tensor methods that may return a copy of the tensor in another dtype
+CASTS = frozenset((torch.Tensor.to, torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.double))
+
+
+class ForwardMode(TorchFunctionMode):
+    """(1) Routes ``F.dropout`` (what ``nn.Dropout`` calls too) to :class:`DropoutFn` where
+    autograd would keep a mask (training, grad enabled, input requiring grad, not in place), if
+    ``dropout_bits``; (2) makes a dtype cast of a held tensor derivable from what holds it
+    (:func:`derive_cast`)."""
+
+    def __new__(cls, *args, **kwargs):
+        # Under torch.compile, Dynamo mis-traces some models inside any TorchFunctionMode (Llama: a
+        # tensor's ``.device`` read back as its shape); there, dropout is left to the compiler.
+        if torch.compiler.is_compiling():
+            return contextlib.nullcontext()
+        return super().__new__(cls)
+
+    def __init__(self, dropout_bits: bool = True):
+        super().__init__()
+        self.dropout_bits = dropout_bits
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.dropout and self.dropout_bits and torch.is_grad_enabled():
+            bound = dict(zip(("input", "p", "training", "inplace"), args), **kwargs)
+            x, p = bound["input"], bound.get("p", 0.5)
+            if bound.get("training", True) and not bound.get("inplace", False) and 0 < p < 1 and x.requires_grad:
+                return DropoutFn.apply(x, p)
+        out = func(*args, **kwargs)
+        if func in CASTS and torch.is_grad_enabled():
+            derive_cast(args[0], out)
+        return out
+
+
+@bookkeeping
+def derive_cast(x, out) -> None:
+    """``out``, ``x`` cast to another floating dtype, becomes derivable from ``x``'s entry where
+    ``x`` is held, so a consumer that keeps ``out`` stores nothing new.
+
+    Why: PEFT casts LoRA's input to the adapter's float32 under bf16 autocast (``_cast_input_dtype``).
+    ``lora_A`` of ``down_proj`` then kept a second, 4-bit copy of the gated product that the MLP
+    derives from its gate and up inputs, and ``lora_A`` of ``o_proj`` one of the attention output:
+    more bytes, and the linear kind's error instead of the rebuild's (docs/DESIGN.md, "Casts of held tensors")."""
+    if (out is x or not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor)
+            or not x.is_floating_point() or not out.is_floating_point() or out.dtype == x.dtype
+            or out.shape != x.shape or out.device != x.device or lookup(out) is not None):
+        return
+    parent = lookup(x)
+    if parent is not None:
+        derive(out, (parent,), lambda t, dtype=out.dtype: t.to(dtype))
