@@ -49,6 +49,33 @@ def causal_lm_batch(tsv: str, tokenizer, batch: int = 4, seq: int = 128) -> dict
     return {"input_ids": x, "labels": x.clone()}
 
 
+def glue_sentences(tsv: str) -> list[str]:
+    """The sentences of a GLUE TSV in file order: the ``sentence`` column (SST-2, CoLA), or both
+    sentences of each row as separate texts (MRPC's ``#1 String`` and ``#2 String``)."""
+    rows = read_tsv(tsv)
+    header = rows[0] if rows else []
+    columns = [header.index(c) for c in ("sentence", "#1 String", "#2 String") if c in header]
+    if not columns:
+        raise ValueError(f"{tsv}: expected a GLUE TSV with a 'sentence' or '#1 String'/'#2 String' column")
+    return [r[c].strip() for r in rows[1:] if len(r) == len(header) for c in columns]
+
+
+def sentence_batch(tokenizer, sentences: list[str], start: int, batch: int, pad: str | int = "longest") -> dict:
+    """Sentences ``start .. start + batch - 1``, one per row, right-padded to the longest (``pad``
+    ``"longest"``) or to ``pad`` tokens (truncating), with the attention mask; labels = ids with
+    the padding at -100 (causal-LM loss on the real tokens)."""
+    if start + batch > len(sentences):
+        raise ValueError(f"sentences {start}..{start + batch - 1} asked, {len(sentences)} in the file")
+    texts = sentences[start:start + batch]
+    if pad == "longest":
+        enc = tokenizer(texts, padding="longest", return_tensors="pt")
+    else:
+        enc = tokenizer(texts, padding="max_length", max_length=int(pad), truncation=True, return_tensors="pt")
+    labels = enc["input_ids"].clone()
+    labels[enc["attention_mask"] == 0] = -100
+    return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "labels": labels}
+
+
 def random_tokens(vocab_size: int, batch: int, seq: int, seed: int, num_labels: int = 2) -> dict:
     """``batch x seq`` random token ids in ``[1, vocab_size)`` and one label per row, drawn from a
     generator seeded with ``seed`` (torch's global RNG untouched)."""

@@ -115,13 +115,14 @@ def load_smollm2(attn: str = "sdpa"):
     return tok, model
 
 
-def family_model(name: str, seed: int = 0):
+def family_model(name: str, seed: int = 0, batch_seed: int = 0):
     """``(model, batch)`` of one family of :data:`FAMILIES`: three labels, batch 4 x 128 random
-    tokens (ViT: 4 random 48x48 images, ``vit-257*``: 64x64), weights drawn with ``seed``; ``t5-gated`` is T5 with a gated-GELU feed-forward."""
+    tokens (ViT: 4 random 48x48 images, ``vit-257*``: 64x64), weights drawn with ``seed``, the
+    batch with ``batch_seed`` (the same for every ``seed``); ``t5-gated`` is T5 with a gated-GELU feed-forward."""
     if name not in FAMILIES:
         raise ValueError(f"--families: unknown {name!r}")
-    torch.manual_seed(seed)  # the weights; the batch is the same for every seed
-    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(seed)  # the weights
+    g = torch.Generator().manual_seed(batch_seed)
     labels = torch.randint(0, 3, (4,), generator=g)
     if name.startswith("vit"):
         cfg = AutoConfig.for_model("vit", num_labels=3, **FAMILY_SIZES[name])

@@ -7,7 +7,7 @@ import torch
 
 from hf_division.bench import suites
 from hf_division.config import DivisionConfig
-from hf_division.analysis.fidelity import gradient_cosine
+from hf_division.analysis.fidelity import added_variance, gradient_cosine, seed_fidelity
 from hf_division.analysis.measure import measure_activation_memory
 from hf_division.compress.noise import reseed
 from hf_division.bench.suites.auto_precision import markdown, neighbours
@@ -43,10 +43,12 @@ def test_command_line_dispatch(capsys):
         suites.run("no-such-suite", [])
 
 
-def test_measure_config_is_the_two_public_measurements():
+def test_measure_config_is_the_public_measurements():
     model, batch, config = tiny_model("bert"), tiny_batch(2, 32), DivisionConfig(linear_bits=2)
     m = measure_config(model, batch, config, seeds=(1, 2))
     assert m.cosines == gradient_cosine(model, batch, config, seeds=(1, 2))
+    assert m.tensor_min == seed_fidelity(model, batch, config, seeds=(1, 2)).worst_tensor[1] < 1
+    assert m.added_variance is None
     assert m.memory == measure_activation_memory(model, batch, config)
     assert m.cos_min == min(m.cosines) and m.cos_mean == pytest.approx(sum(m.cosines) / 2)
     first = measure_config(model, batch, config, seeds=(1, 2), memory_first=True)
@@ -54,10 +56,10 @@ def test_measure_config_is_the_two_public_measurements():
 
 
 def test_family_suite_end_to_end(capsys):
-    suites.run("family", ["--families", "t5", "--policies", "only linear", "--seeds", "1"])
+    suites.run("family", ["--families", "t5", "--policies", "only linear", "--seeds", "1", "--variance", "2"])
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].split() == ["family", "policy", "cos", "min", "ratio"]
-    label, *name, cos, ratio = lines[1].split()
+    assert lines[0].split() == ["family", "policy", "cos", "min", "ratio", "tensor", "min", "added", "var"]
+    label, *name, cos, ratio, tensor_min, added = lines[1].split()
     model, batch = family_model("t5")
     config = DivisionConfig(**POLICIES["only linear"])
     assert (label, " ".join(name)) == ("t5", "only linear")
@@ -65,8 +67,12 @@ def test_family_suite_end_to_end(capsys):
     # this recomputation draws the same noise (docs/DESIGN.md, "Rounding noise")
     torch.manual_seed(99)
     reseed(99)
-    assert float(cos) == round(min(gradient_cosine(model, batch, config, seeds=(1,))), 4)
+    fid = seed_fidelity(model, batch, config, seeds=(1,))
+    assert float(cos) == round(min(fid.whole), 4) and float(tensor_min) == round(fid.worst_tensor[1], 4)
     assert float(ratio) == round(measure_activation_memory(model, batch, config).ratio, 1)
+    spread = [family_model("t5", batch_seed=s)[1] for s in (1, 2)]
+    assert not torch.equal(spread[0]["input_ids"], batch["input_ids"])
+    assert float(added.rstrip("%")) == round(100 * added_variance(model, spread, config), 1)
     with pytest.raises(ValueError, match="--policies: unknown"):
         suites.run("family", ["--policies", "no such policy"])
 

@@ -5,7 +5,8 @@ import torch
 import hf_division as hd
 from hf_division.analysis.fidelity import cosine, flat_grad, gradient_cosine
 from hf_division.bench.textdata import (
-    BUNDLED_SST2_DEV, causal_lm_batch, classification_batch, random_tokens, read_tsv, sst2_rows,
+    BUNDLED_SST2_DEV, causal_lm_batch, classification_batch, glue_sentences, random_tokens, read_tsv,
+    sentence_batch, sst2_rows,
 )
 from hf_division.bench.zoo import FAMILIES, LLAMA_SHAPE, SHAPES, build_classifier, family_model
 
@@ -58,6 +59,36 @@ def test_causal_lm_batch_packs_sentences_with_eos(tmp_path):
     path.write_text("text\tlabel\nab\t1\n", encoding="utf-8")
     with pytest.raises(ValueError, match="first column is 'sentence'"):
         causal_lm_batch(str(path), WordTokenizer())
+
+
+def test_glue_sentences_and_padded_sentence_batches(tmp_path):
+    mrpc = tmp_path / "mrpc.tsv"
+    mrpc.write_text("Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n1\t1\t2\t a b \tc\n0\t3\t4\td e f\tg h\n",
+                    encoding="utf-8")
+    sentences = glue_sentences(str(mrpc))
+    assert sentences == ["a b", "c", "d e f", "g h"]  # both sentences of each row, in order, stripped
+    sst2 = tmp_path / "sst2.tsv"
+    sst2.write_text("sentence\tlabel\nx y\t1\n", encoding="utf-8")
+    assert glue_sentences(str(sst2)) == ["x y"]
+    sst2.write_text("text\tlabel\nx\t1\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="'sentence' or '#1 String'"):
+        glue_sentences(str(sst2))
+
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {w: i for i, w in enumerate(["[PAD]", "a", "b", "c", "d", "e", "f", "g", "h"])}
+    inner = Tokenizer(models.WordLevel(vocab, unk_token="[PAD]"))
+    inner.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="[PAD]")
+    longest = sentence_batch(tok, sentences, 1, 3, "longest")
+    assert longest["input_ids"].tolist() == [[3, 0, 0], [4, 5, 6], [7, 8, 0]]
+    assert longest["attention_mask"].tolist() == [[1, 0, 0], [1, 1, 1], [1, 1, 0]]
+    assert longest["labels"].tolist() == [[3, -100, -100], [4, 5, 6], [7, 8, -100]]  # padding out of the loss
+    fixed = sentence_batch(tok, sentences, 0, 2, 2)
+    assert fixed["input_ids"].tolist() == [[1, 2], [3, 0]] and fixed["labels"].tolist() == [[1, 2], [3, -100]]
+    with pytest.raises(ValueError, match="sentences 3..4 asked, 4 in the file"):
+        sentence_batch(tok, sentences, 3, 2)
 
 
 def test_random_tokens_are_reproducible_and_leave_torch_rng_alone():

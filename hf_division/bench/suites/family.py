@@ -13,7 +13,10 @@ Families (random init, fp32, eager attention, batch 4 x 128 tokens; ViT 144 patc
   vit-257   the same on 64x64 images (256 patches + [CLS]); vit-257-h192: hidden 192, 3 heads
 ``--smollm2 TSV``: also the real SmolLM2-135M-Instruct (the decoder suite's model) on real text,
 causal-LM loss, the policies of REAL_POLICIES, first seed only.
-Each row: policy (changes from the default), min cosine over seeds, bytes ratio baseline/division.
+Each row: policy (changes from the default), min cosine over seeds, bytes ratio baseline/division,
+the lowest per-tensor cosine over the seeds (tensors with >= 1% of the gradient's norm), and with
+``--variance B`` division's added variance against the sampling variance of B batches drawn like
+the family's from other seeds (docs/GUIDE.md, "Gradient fidelity").
 """
 from __future__ import annotations
 
@@ -47,23 +50,30 @@ REAL_POLICIES = ["default (family)", "default (all 4-bit)", "no outlier tokens",
                  "activation 8-bit", "attention+activation 8", "all 8-bit", "no LFC (block 1)"]
 
 
-def run(label, model, batch, names, seeds):
+def _row(label, name, m) -> str:
+    added = "" if m.added_variance is None else f"{m.added_variance:.1%}"
+    return f"{label:<9} {name:<32} {m.cos_min:>8.4f} {m.memory.ratio:>6.1f} {m.tensor_min:>10.4f} {added:>9}"
+
+
+def run(label, model, batch, names, seeds, spread=None):
     for name in names:
-        m = measure_config(model, batch, DivisionConfig(**POLICIES[name]), seeds)
-        print(f"{label:<9} {name:<32} {m.cos_min:>8.4f} {m.memory.ratio:>6.1f}", flush=True)
+        m = measure_config(model, batch, DivisionConfig(**POLICIES[name]), seeds, variance_batches=spread)
+        print(_row(label, name, m), flush=True)
 
 
-def run_seeds(family: str, model_seeds, names, seeds):
+def run_seeds(family: str, model_seeds, names, seeds, variance=0):
     """Like :func:`run` over several random-init models: min and median cosine over all of them."""
     if len(model_seeds) == 1:
         model, batch = family_model(family, model_seeds[0])
-        return run(family, model, batch, names, seeds)
+        # batches drawn like the family's, from other seeds: the minibatch spread of random inputs
+        spread = [family_model(family, model_seeds[0], batch_seed=1 + i)[1] for i in range(variance)] or None
+        return run(family, model, batch, names, seeds, spread)
     built = [family_model(family, s) for s in model_seeds]
     for name in names:
         found = [measure_config(m, b, DivisionConfig(**POLICIES[name]), seeds) for m, b in built]
         cos = sorted(c for f in found for c in f.cosines)
-        print(f"{family:<9} {name:<32} {cos[0]:>8.4f} {found[0].memory.ratio:>6.1f}  median {statistics.median(cos):.4f} "
-              f"over {len(model_seeds)} models x {len(seeds)} seeds", flush=True)
+        print(f"{family:<9} {name:<32} {cos[0]:>8.4f} {found[0].memory.ratio:>6.1f} {min(f.tensor_min for f in found):>10.4f}"
+              f"  median {statistics.median(cos):.4f} over {len(model_seeds)} models x {len(seeds)} seeds", flush=True)
 
 
 def main(argv=None):
@@ -75,14 +85,16 @@ def main(argv=None):
                     help="random-init weights per family; the row's min and median are over models x seeds")
     ap.add_argument("--smollm2", metavar="TSV", help="also run the real SmolLM2-135M on this GLUE TSV")
     ap.add_argument("--smollm2-batch", type=int, default=4, help="rows of 128 tokens for SmolLM2")
+    ap.add_argument("--variance", type=int, default=0, metavar="B",
+                    help="added variance over B batches drawn like the family's (one model seed)")
     args = ap.parse_args(argv)
-    set_threads(2)
+    set_threads()
     unknown = [p for p in args.policies if p not in POLICIES]
     if unknown:
         raise ValueError(f"--policies: unknown {unknown}; known: {list(POLICIES)}")
-    print(f"{'family':<9} {'policy':<32} {'cos min':>8} {'ratio':>6}")
+    print(f"{'family':<9} {'policy':<32} {'cos min':>8} {'ratio':>6} {'tensor min':>10} {'added var':>9}")
     for name in args.families:
-        run_seeds(name, args.model_seeds, args.policies, tuple(args.seeds))
+        run_seeds(name, args.model_seeds, args.policies, tuple(args.seeds), args.variance)
     if args.smollm2:
         tok, model = load_smollm2("sdpa")
         batch = causal_lm_batch(args.smollm2, tok, args.smollm2_batch, 128)

@@ -2,7 +2,10 @@
 
 python -m hf_division.bench policy --data ../shared/data/glue/SST-2/dev.tsv [--attn eager] [--seeds 0 1 2]
 Real MiniLM-L6 on the first 32 rows of the TSV padded to 128 tokens. Each row: one DivisionConfig
-(fields not named keep their defaults); cosine = min and mean over seeds.
+(fields not named keep their defaults); cosine = min and mean over seeds (20 seeds for the minimum
+the fidelity target means); tensor min = the lowest per-tensor cosine over the seeds (tensors with
+>= 1% of the gradient's norm); ``--variance B``: division's added variance against the sampling
+variance of B batches of 32 rows (docs/GUIDE.md, "Gradient fidelity").
 """
 from __future__ import annotations
 
@@ -53,24 +56,29 @@ def main(argv=None):
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--only", nargs="*", help="names of candidates to run")
     ap.add_argument("--extra", action="append", default=[], help="NAME=JSON config to add")
+    ap.add_argument("--variance", type=int, default=0, metavar="B", help="added variance over B batches of 32 rows")
     ap.add_argument("--json", help="write rows here")
     ap.add_argument("--render", help="print a Markdown table of a JSON written by --json, and exit")
     args = ap.parse_args(argv)
     if args.render:
         return render(args.render)
-    set_threads(2)
+    set_threads()
     tok = minilm_tokenizer()
     model = build_classifier("minilm", args.attn)
-    batch = classification_batch(tok, sst2_rows(args.data), 32, 128)
+    rows_in = sst2_rows(args.data)
+    batch = classification_batch(tok, rows_in, 32, 128)
+    spread = [classification_batch(tok, rows_in, 32, 128, offset=32 * i) for i in range(args.variance)] or None
     rows = []
-    print(f"{'policy':<30} {'MiB held':>9} {'ratio':>6} {'cos min':>8} {'cos mean':>8}")
+    print(f"{'policy':<30} {'MiB held':>9} {'ratio':>6} {'cos min':>8} {'cos mean':>8} {'tensor min':>10} {'added var':>9}")
     for name, kw in candidates(args.only, args.extra).items():
-        m = measure_config(model, batch, DivisionConfig(**kw), args.seeds)
+        m = measure_config(model, batch, DivisionConfig(**kw), args.seeds, variance_batches=spread)
         mem = m.memory
         rows.append(dict(policy=name, config=kw, division_bytes=mem.division_bytes, baseline_bytes=mem.baseline_bytes,
-                         ratio=mem.ratio, cos_min=m.cos_min, cos_mean=m.cos_mean, by_kind=mem.by_kind))
-        print(f"{name:<30} {mem.division_bytes / 2**20:>9.1f} {mem.ratio:>6.1f} {m.cos_min:>8.4f} {m.cos_mean:>8.4f}",
-              flush=True)
+                         ratio=mem.ratio, cos_min=m.cos_min, cos_mean=m.cos_mean, tensor_min=m.tensor_min,
+                         added_variance=m.added_variance, by_kind=mem.by_kind))
+        added = "" if m.added_variance is None else f"{m.added_variance:.1%}"
+        print(f"{name:<30} {mem.division_bytes / 2**20:>9.1f} {mem.ratio:>6.1f} {m.cos_min:>8.4f} {m.cos_mean:>8.4f} "
+              f"{m.tensor_min:>10.4f} {added:>9}", flush=True)
     write_json(args.json, rows)
 
 
