@@ -140,6 +140,10 @@ class DivisionConfig:
     activation_block_size: int | None = _field(
         None, "LFC block for the activation kind (1: no LFC); unset: family default, else block_size.")
     min_numel: int = _field(4096, "Saved tensors with fewer elements are kept as they are.")
+    narrow_linear: int = _field(
+        32, "Linear inputs with at most this many channels (LoRA's rank-r intermediate, lora_B's input) are kept as "
+            "they are: a few bytes per token, and lora_B's gradient sums them against the output gradient with heavy "
+            "cancellation, so their quantization noise dominated it (docs/DESIGN.md, \"Policy\"); 0: compress them too.")
     norm_row_scale: bool = _field(True, "Norm inputs: divide each token by its RMS (kept exact) before compressing.")
     outlier_ratio: float | None = _field(
         None, "Keep tokens exact whose max |x| exceeds this many times the median token's; 0: off; unset: family default.")
@@ -157,8 +161,8 @@ class DivisionConfig:
         self.method = Method.parse(self.method, "DivisionConfig.method")
         self.lfc_dtype = LfcDtype.parse(self.lfc_dtype, "DivisionConfig.lfc_dtype")
         self.rounding = Rounding.parse(self.rounding, "DivisionConfig.rounding")
-        for name in ("block_size", "group_size", "min_numel"):
-            value, least = getattr(self, name), 0 if name == "min_numel" else 1
+        for name in ("block_size", "group_size", "min_numel", "narrow_linear"):
+            value, least = getattr(self, name), 0 if name in ("min_numel", "narrow_linear") else 1
             if value is None and name == "block_size":
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < least:

@@ -391,9 +391,11 @@ def _release_unused(ref):
 
 
 def pack(t: torch.Tensor, kind: str, config: DivisionConfig) -> Packed:
-    """``t`` compressed as ``config`` says for ``kind`` (kept as it is when too small or not float)."""
+    """``t`` compressed as ``config`` says for ``kind`` (kept as it is when too small, not float,
+    or a Linear input of at most ``config.narrow_linear`` channels)."""
     args = config.compressor_args(kind)
-    if t.numel() < config.min_numel or not t.is_floating_point():
+    narrow = kind == "linear" and t.dim() >= 2 and t.shape[-1] <= config.narrow_linear
+    if t.numel() < config.min_numel or not t.is_floating_point() or narrow:
         args["bits"] = 0
     token_dim = -2 if t.dim() >= 2 else None
     return compress(t.detach(), token_dim=token_dim, generator=generator(t.device), **args)

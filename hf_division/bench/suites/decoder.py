@@ -57,6 +57,7 @@ def lora_model(model, batch: dict, train_steps: int):
     import peft  # optional dependency: only --lora needs it
 
     config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules="all-linear", task_type="CAUSAL_LM")
+    torch.manual_seed(0)  # lora_A's initialization: the same adapter in every run
     wrapped = peft.get_peft_model(model, config)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
