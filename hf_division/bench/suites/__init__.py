@@ -27,6 +27,7 @@ SUITES = {
     "architectures": ".architectures",
     "budget": ".budget",
     "attention-backward": ".attention_backward",
+    "decoder-parity": ".decoder_parity",
 }
 
 
