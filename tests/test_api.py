@@ -267,7 +267,7 @@ def test_bookkeeping_runs_outside_torch_function_modes():
 
     @bookkeeping
     def work(x):
-        return store.pack(x * 2, "linear", hd.DivisionConfig(min_numel=0).resolved("bert"))
+        return store.pack(x * 2, "linear", hd.DivisionConfig(min_numel=0, narrow_linear=0).resolved("bert"))
 
     x = torch.randn(2, 16, 8)
     with Count():
