@@ -109,20 +109,23 @@ def gradient_fidelity(model, inputs: dict, config: DivisionConfig | None = None,
         remove_division(model)
         exact = named_grads(model, inputs, seed, autocast, select=select)
         apply_division(model, config or before or DivisionConfig())
-        flat = torch.cat(list(exact.values()))
-        norm = flat.norm()
-        carrying = [n for n, g in exact.items() if g.norm() >= share * norm]
-        whole, per_tensor, missing = [], {n: 1.0 for n in carrying}, set()
+        found = Fidelity([], {})
         for draw in range(draws):
-            got = named_grads(model, inputs, seed, autocast, select=select, noise_seed=1000 + draw)
-            missing |= set(exact) - set(got)
-            whole.append(cosine(flat, torch.cat([got.get(n, torch.zeros_like(g)) for n, g in exact.items()])))
-            for n in carrying:
-                if n in got:
-                    per_tensor[n] = min(per_tensor[n], cosine(exact[n], got[n]))
-                else:
-                    per_tensor[n] = 0.0
-    return Fidelity(whole, per_tensor, sorted(missing))
+            _add_draw(found, exact, named_grads(model, inputs, seed, autocast, select=select, noise_seed=1000 + draw), share)
+    return found
+
+
+def _add_draw(found: Fidelity, exact: dict, got: dict, share: float) -> None:
+    """One division gradient ``got`` against ``exact`` into ``found``: its whole cosine, each
+    carrying tensor's minimum (a missing one counts 0), the tensors without a gradient."""
+    found.missing = sorted(set(found.missing) | (set(exact) - set(got)))
+    flat = torch.cat(list(exact.values()))
+    found.whole.append(cosine(flat, torch.cat([got.get(n, torch.zeros_like(g)) for n, g in exact.items()])))
+    norm = flat.norm()
+    for n, g in exact.items():
+        if g.norm() >= share * norm:
+            c = cosine(g, got[n]) if n in got else 0.0
+            found.per_tensor[n] = min(found.per_tensor.get(n, 1.0), c)
 
 
 def seed_fidelity(model, inputs: dict, config: DivisionConfig | None = None, seeds=(0, 1, 2), *,
@@ -130,22 +133,14 @@ def seed_fidelity(model, inputs: dict, config: DivisionConfig | None = None, see
     """:func:`gradient_fidelity` with one draw per seed, each against the exact gradient of that
     seed (its own dropout masks and rounding noise as the process left it): the whole cosines are
     :func:`gradient_cosine`'s, and per tensor the minimum over the seeds. What the suites measure."""
-    whole, per_tensor, missing = [], {}, set()
+    found = Fidelity([], {})
     with restored_division(model) as before:
         for seed in seeds:
             remove_division(model)
             exact = named_grads(model, inputs, seed, select=select)
             apply_division(model, config or before or DivisionConfig())
-            got = named_grads(model, inputs, seed, select=select)
-            missing |= set(exact) - set(got)
-            flat = torch.cat(list(exact.values()))
-            whole.append(cosine(flat, torch.cat([got.get(n, torch.zeros_like(g)) for n, g in exact.items()])))
-            norm = flat.norm()
-            for n, g in exact.items():
-                if g.norm() >= share * norm:
-                    c = cosine(g, got[n]) if n in got else 0.0
-                    per_tensor[n] = min(per_tensor.get(n, 1.0), c)
-    return Fidelity(whole, per_tensor, sorted(missing))
+            _add_draw(found, exact, named_grads(model, inputs, seed, select=select), share)
+    return found
 
 
 def added_variance(model, batches: list[dict], config: DivisionConfig | None = None, draws: int = 2, *, seed: int = 0,

@@ -54,7 +54,7 @@ def derive_cast(x, out) -> None:
     Why: PEFT casts LoRA's input to the adapter's float32 under bf16 autocast (``_cast_input_dtype``).
     ``lora_A`` of ``down_proj`` then kept a second, 4-bit copy of the gated product that the MLP
     derives from its gate and up inputs, and ``lora_A`` of ``o_proj`` one of the attention output:
-    more bytes, and the linear kind's error instead of the rebuild's (docs/DESIGN.md, "Casts of held tensors")."""
+    more bytes, and the linear kind's error instead of the rebuild's (docs/DESIGN.md, "One copy per tensor, keyed on a live reference")."""
     if (out is x or not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor)
             or not x.is_floating_point() or not out.is_floating_point() or out.dtype == x.dtype
             or out.shape != x.shape or out.device != x.device or lookup(out) is not None):

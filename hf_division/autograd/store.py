@@ -194,8 +194,8 @@ def bookkeeping(fn: Callable) -> Callable:
     """``fn`` (division's own tensor code: compressing, packing bits, registering) run with
     ``__torch_function__`` handling off. The patched forward runs under a ``TorchFunctionMode``
     (:class:`hf_division.autograd.forward_mode.ForwardMode`), whose Python handler every torch call would otherwise
-    go through; it routes nothing here (it routes only dropout, and a Function's forward runs with
-    grad off), and a compressed copy does not depend on any other mode (e.g. a default-device
+    go through; it routes nothing here (it routes only dropout and dtype casts, and a Function's
+    forward runs with grad off), and a compressed copy does not depend on any other mode (e.g. a default-device
     context: this code places every tensor itself). At small sizes that handler outweighed the
     kernels (docs/DESIGN.md, "Mechanism")."""
     if _DISABLE_TORCH_FUNCTION is None:

