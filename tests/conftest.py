@@ -3,6 +3,11 @@ import os
 import pytest
 import torch
 
+# Without a CUDA device the Triton kernels run on CPU tensors under Triton's interpreter, which
+# Triton chooses when it is first imported (Transformers imports it): tests/test_triton.py
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from hf_division.bench import tiny_models as tiny
 from hf_division.bench.tiny_models import case, pixel_batch, tiny_batch, tiny_config
 

@@ -7,6 +7,8 @@ import threading
 
 import torch
 
+from hf_division.kernels.triton_codec import device_path
+
 
 class _Padding(threading.local):
     """The padding positions ``(batch index, token index)`` of the batch whose training forward
@@ -22,9 +24,9 @@ _padding = _Padding()
 @contextlib.contextmanager
 def padding_of(attention_mask):
     """Within a training forward: the batch's padding positions, from its 2-D attention mask (0 =
-    padding), for :func:`zero_padding_tokens`. Read on the CPU only, where it costs no sync."""
+    padding), for :func:`zero_padding_tokens`. Read on the CPU's path only, where it costs no sync."""
     positions = shape = None
-    if (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and attention_mask.device.type == "cpu"
+    if (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not device_path(attention_mask.device)
             and not attention_mask.dtype.is_floating_point):
         pads = (attention_mask == 0).nonzero()
         if len(pads):

@@ -24,6 +24,7 @@ from hf_division.compress.pipeline import cast_finite, compress, compress_row_sc
 from hf_division.config import DivisionConfig
 from hf_division.compress.noise import generator
 from hf_division.kernels.native import pack_mask
+from hf_division.kernels.triton_codec import device_path
 from hf_division.quant.packing import unpack_mask
 
 #: names of the store's work in a ``torch.profiler`` trace: compressing a saved activation (the
@@ -332,7 +333,7 @@ def _mask_recipe(t: torch.Tensor) -> Callable | None:
         return None
     if t.dtype == torch.bool:
         blocked, fill, base = ~t, None, None
-    elif t.is_floating_point() and t.device.type == "cpu" and t.numel() and t.dim() >= 2:
+    elif t.is_floating_point() and not device_path(t.device) and t.numel() and t.dim() >= 2:
         fill = t.min().item()
         blocked = t == fill
         base = t.masked_fill(blocked, float("-inf")).amax(-2, keepdim=True)
@@ -340,7 +341,7 @@ def _mask_recipe(t: torch.Tensor) -> Callable | None:
         base = base if bool(base.any()) else None
     else:
         return None
-    blocked = _fewest_axes(blocked)
+    blocked = blocked if device_path(t.device) else _fewest_axes(blocked)  # its check reads back
     bias = [] if base is None else [base]
     bits, n = pack_mask(blocked)
     if bits.numel() + sum(b.numel() * b.element_size() for b in bias) >= t.untyped_storage().nbytes():

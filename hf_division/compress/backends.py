@@ -7,6 +7,9 @@
   fixed-size chunks (:mod:`hf_division.kernels.compiled`); any device, every layout.
 * ``eager``: the same torch kernels called as they are, the reference the others are tested
   against (``tests/compress/test_backends.py``).
+* ``triton``: the Triton kernels (:mod:`hf_division.kernels.triton_codec`), on CUDA devices, for
+  token groups: the tensor read as it is held (any dtype and strides), the exact tokens chosen
+  and the whole encode in three launches, the rebuild in one or two, no host synchronisation.
 
 A backend turns ``(M, T, C)`` float32 tokens, or a flat float32 run, into codes and back; which
 tokens are held exact, the layout and the bundle are the pipeline's (:mod:`.pipeline`). All give
@@ -21,6 +24,7 @@ import torch
 
 from hf_division.kernels import compiled as runner
 from hf_division.kernels import native
+from hf_division.kernels import triton_codec
 from hf_division.kernels.switches import switches
 from hf_division.quant.codecs import decode_into, dequantize_tuple, encode_groups, encode_into, minmax_groups
 from hf_division.quant.exact_tokens import token_absmax
@@ -53,6 +57,11 @@ class Backend:
     scores_in_encode = False
     #: divides each token by a given scale inside its passes (``encode_tokens(row_scale=...)``)
     scales_rows = False
+    #: reads the tokens in any float dtype and strides (else the pipeline hands it float32)
+    any_dtype = False
+    #: chooses outlier tokens at a fixed capacity itself (``exact_tokens``) and rebuilds whole
+    #: tensors, exact rows included (``rebuild_tokens``)
+    whole = False
 
     def token_absmax(self, x3: torch.Tensor) -> torch.Tensor:
         """Max |x| per token of ``(M, T, C)`` as ``(M*T,)``: the outlier search's score."""
@@ -176,13 +185,42 @@ class NativeBackend(Backend):
         return out
 
 
+class TritonBackend(TorchBackend):
+    """The Triton kernels for token groups; flat groups through the torch kernels."""
+
+    name, any_dtype, whole = "triton", True, True
+
+    def __init__(self):
+        super().__init__(compile=True)
+        self.name = "triton"
+
+    def exact_tokens(self, x3: torch.Tensor, ratio: float) -> dict:
+        """The outlier tokens at a fixed capacity (:func:`~hf_division.kernels.triton_codec.exact_tokens`)."""
+        return triton_codec.exact_tokens(x3, ratio)
+
+    def encode_tokens(self, x3, seed, bits, block, group, lfc_dtype, row_scale=None, score=False,
+                      exact=None) -> Encoded:
+        if row_scale is not None or score:
+            raise ValueError("the triton backend neither scales rows nor scores tokens in its encode")
+        out = triton_codec.encode_tokens(x3, seed, bits, block, group, lfc_dtype, exact)
+        return Encoded(out.codes, out.lfc, out.lo, out.scale)
+
+    def rebuild_tokens(self, p: Packed) -> torch.Tensor:
+        """``p`` -> ``(M, T, C)`` in ``p.dtype``, its exact rows in their places."""
+        return triton_codec.decode_tokens(p)
+
+
 NATIVE, COMPILED, EAGER = NativeBackend(), TorchBackend(compile=True), TorchBackend(compile=False)
+TRITON = TritonBackend()
 
 
 def pick(device: torch.device, grouping: str, lfc_dtype: torch.dtype | None) -> Backend:
     """The backend for one tensor: the native kernels where they take it (CPU, token groups, the
-    ``native`` switch on, no LFC or a bf16/float32 one), else the torch kernels, compiled unless
-    the ``compile`` switch is off (:func:`hf_division.kernels.configure`)."""
+    ``native`` switch on, no LFC or a bf16/float32 one), the Triton kernels for token groups on a
+    CUDA device (the ``triton`` switch on, Triton importable), else the torch kernels, compiled
+    unless the ``compile`` switch is off (:func:`hf_division.kernels.configure`)."""
+    if grouping != FLAT and triton_codec.applies(device):
+        return TRITON
     if grouping != FLAT and native.applies(device, lfc_dtype):
         return NATIVE
     return COMPILED if switches().compile else EAGER

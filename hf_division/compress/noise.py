@@ -24,6 +24,8 @@ import weakref
 
 import torch
 
+from hf_division.quant.rounding import noise_seed
+
 _stream = {"base": None, "seed": 0, "next": 0}  # base: torch.initial_seed() when last (re)seeded
 _numbering = threading.Lock()  # models forwarding in several threads at once get distinct numbers
 
@@ -93,6 +95,16 @@ def step_seed(seed: int, step: int, rank: int = 0) -> int:
     return int.from_bytes(digest, "little")
 
 
+def generators(device) -> list[torch.Generator]:
+    """The rounding-noise generators made so far for ``device``: what a CUDA graph capturing a
+    division step registers (``CUDAGraph.register_generator_state``) so that each replay draws new
+    noise (docs/GUIDE.md, "On a GPU")."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return [gen for (dev, _), gen in _generators.items() if dev == device]
+
+
 def generator(device: torch.device) -> torch.Generator:
     """The rounding-noise generator for ``device`` and the model running (see the module doc)."""
     _follow_torch_seed()
@@ -103,3 +115,36 @@ def generator(device: torch.device) -> torch.Generator:
         seed = _stream["seed"] if salt == 0 else step_seed(_stream["seed"], 0, -salt)
         gen.manual_seed((seed ^ 0x5EED_D1F1) & 0xFFFF_FFFF_FFFF)
     return gen
+
+
+#: seeds drawn at once for a tensor off the CPU (docs/DESIGN.md, "On a GPU")
+SEED_BLOCK = 256
+_blocks: "weakref.WeakKeyDictionary[torch.Generator, dict]" = weakref.WeakKeyDictionary()
+
+
+def tensor_seed(device: torch.device, gen: torch.Generator | None, blocks: bool) -> torch.Tensor:
+    """A 0-d int64 seed in ``[0, 2**32)`` on ``device`` for one tensor's rounding noise, drawn from
+    ``gen`` (:func:`~hf_division.quant.rounding.noise_seed`).
+
+    With ``blocks`` (off the CPU, and wherever the Triton kernels run), seeds are drawn
+    :data:`SEED_BLOCK` at a time and handed out as views, one each: a draw is a kernel launch, and
+    a saved tensor's whole compression is one to three (docs/DESIGN.md, "On a GPU"). The block is drawn again where ``gen`` was reseeded or moved since (its seed and
+    offset differ from what the draw left), and where a CUDA graph is being captured and the block
+    was not drawn inside it, so that every replay draws its own noise."""
+    if not blocks or gen is None:
+        return noise_seed(device, gen)
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    block = _blocks.get(gen)
+    if block is None or block["next"] >= SEED_BLOCK or block["mark"] != _mark(gen) or block["captured"] != capturing:
+        seeds = torch.randint(0, 2**32, (SEED_BLOCK,), dtype=torch.int64, generator=gen, device=gen.device).to(device)
+        block = _blocks[gen] = {"seeds": seeds, "next": 0, "mark": _mark(gen), "captured": capturing}
+    seed = block["seeds"][block["next"]]
+    block["next"] += 1
+    return seed
+
+
+def _mark(gen: torch.Generator) -> tuple:
+    """Where ``gen`` stands: its seed and its offset (a counter-based CUDA generator) or state."""
+    if gen.device.type == "cuda":
+        return gen.initial_seed(), gen.get_offset()
+    return gen.initial_seed(), bytes(gen.get_state().numpy())

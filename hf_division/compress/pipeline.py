@@ -26,6 +26,7 @@ import torch
 from hf_division.compress.backends import Backend, pick
 from hf_division.quant.exact_tokens import outlier_tokens, split_leading, split_outliers, split_static, zero_rows
 from hf_division.quant.packed import FLAT, GROUPINGS, TOKENS, Layout, Packed, token_group
+from hf_division.compress.noise import tensor_seed
 from hf_division.quant.rounding import noise_seed
 
 __all__ = ["Layout", "Packed", "cast_finite", "compress", "compress_row_scaled", "decompress"]
@@ -61,12 +62,12 @@ def compress(
     no host synchronisation: every outlier candidate's row is held, a mask says which are exact
     (:func:`~hf_division.quant.exact_tokens.outlier_candidates`). The rebuilt tensor is the same; the
     rows cost up to ``1/64`` of the tokens in ``x``'s dtype. None: on every device but the CPU,
-    where a readback costs nothing (docs/DESIGN.md, "Compressor").
+    where a readback costs nothing, and wherever the Triton kernels run (docs/DESIGN.md, "Compressor").
     """
     if bits == 0:
         return Packed.kept(x, block_size, group_size)
     _check(bits, grouping)
-    # 1. the tokens: x as (M, T, C) float32 in its own memory order, or one flat run
+    # 1. the tokens: x as (M, T, C) in its own memory order, or one flat run
     x3, layout = _as_tokens(x, token_dim)
     by_tokens = layout is not None and grouping == TOKENS
     ratio = outlier_ratio if layout is not None and x3.shape[2] > 1 else 0.0
@@ -74,23 +75,31 @@ def compress(
     if lead >= x3.shape[1] > 0:  # every token exact: nothing to compress
         return Packed.kept(x, block_size, group_size)
     block = max(1, min(block_size, x3.shape[1])) if by_tokens else 1  # a row shorter than a block is one block
-    seed = noise_seed(x.device, generator) if stochastic else None
-    static = x.device.type != "cpu" if static_rows is None else static_rows
     if not by_tokens:  # ActNN's flat groups, after any exact rows are split off
         backend = pick(x.device, FLAT, None)
-        x3, exact = _split_exact(x3, ratio, 0, static, x.dtype, backend)
+        static = x.device.type != "cpu" if static_rows is None else static_rows
+        seed = tensor_seed(x.device, generator, blocks=x.device.type != "cpu") if stochastic else None
+        x3, exact = _split_exact(x3.float(), ratio, 0, static, x.dtype, backend)
         return _no_larger(_encode_flat(backend, x, x3, layout, seed, bits, group_size, exact), x)
     backend = pick(x.device, TOKENS, lfc_dtype if block > 1 else None)
+    x3 = x3 if backend.any_dtype else x3.float()
+    device_path = x.device.type != "cpu" or backend.whole  # no readback: the GPU's way, wherever it runs
+    static = device_path if static_rows is None else static_rows
+    seed = tensor_seed(x.device, generator, blocks=device_path) if stochastic else None
     group = token_group(group_size, block, bits)
     # 2. the exact tokens, split off once; 3. one encode
     if ratio > 0 and not static and not lead and backend.scores_in_encode:
         enc, exact = _encode_then_split(backend, x3, seed, bits, block, group, lfc_dtype, ratio, x.dtype)
+    elif ratio > 0 and static and not lead and backend.whole:  # chosen by the backend, copied in its encode
+        rows = backend.exact_tokens(x3, ratio)
+        exact = dict(rows=rows["rows"], row_index=rows["row_index"], row_keep=rows["row_keep"])
+        enc = backend.encode_tokens(x3, seed, bits, block, group, _lfc_dtype(x, x3, block, lfc_dtype, static),
+                                    exact=rows)
     else:
         x3, exact = _split_exact(x3, ratio, lead, static, x.dtype, backend)
-        if block > 1 and lfc_dtype == torch.float16 and x.dtype != torch.float16 and (static or x3.abs().amax() > _FP16_MAX):
-            lfc_dtype = torch.float32  # block means beyond fp16's range would store inf: widen this LFC
-            backend = pick(x.device, TOKENS, lfc_dtype)
-        enc = backend.encode_tokens(x3, seed, bits, block, group, lfc_dtype)
+        lfc = _lfc_dtype(x, x3, block, lfc_dtype, static)
+        backend = pick(x.device, TOKENS, lfc if block > 1 else None)
+        enc = backend.encode_tokens(x3, seed, bits, block, group, lfc)
     # 4. one bundle, unless it holds no fewer bytes than x
     return _no_larger(Packed(packed=enc.codes, lo=enc.lo, scale=enc.scale, lfc=enc.lfc, shape=x.shape, dtype=x.dtype,
                              layout=layout, bits=bits, block_size=block, group_size=group, grouping=TOKENS, **exact), x)
@@ -132,6 +141,8 @@ def decompress(p: Packed) -> torch.Tensor:
         return p.packed
     layout = p.layout
     backend = pick(p.packed.device, p.grouping, None if p.lfc is None else p.lfc.dtype)
+    if backend.whole and p.row_scale is None:  # the tokens in p's dtype, exact rows in place
+        return backend.rebuild_tokens(p).reshape(layout.shape).permute(layout.inverse())
     if p.grouping == FLAT:
         flat = backend.decode_flat(p)
         if layout is None:
@@ -165,18 +176,26 @@ def _check(bits: int, grouping: str) -> None:
         raise ValueError(f"grouping must be one of {GROUPINGS}, got {grouping!r}")
 
 
+def _lfc_dtype(x: torch.Tensor, x3: torch.Tensor, block: int, lfc_dtype: torch.dtype, static: bool) -> torch.dtype:
+    """The LFC's dtype: float32 where an fp16 one would store inf (block means beyond its range;
+    at a fixed capacity, ``static``, for every tensor not itself fp16, with no readback)."""
+    if block > 1 and lfc_dtype == torch.float16 and x.dtype != torch.float16 and (static or x3.abs().amax() > _FP16_MAX):
+        return torch.float32
+    return lfc_dtype
+
+
 def _as_tokens(x: torch.Tensor, token_dim: int | None) -> tuple[torch.Tensor, Layout | None]:
-    """View ``x`` as float32 ``(M, T, C)`` in its own memory order (no copy when dense), and its
+    """View ``x`` as ``(M, T, C)`` in its own memory order and dtype (no copy when dense), and its
     :class:`Layout` (e.g. attention q ``(B, H, T, d)`` stored as ``(B, T, H, d)`` gives ``(B, T, H*d)``);
     without a token axis, ``(1, N, 1)`` and None."""
     if token_dim is None or x.dim() < 2:
-        return x.reshape(1, -1, 1).float(), None
+        return x.reshape(1, -1, 1), None
     token_dim %= x.dim()
     perm = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
     xm = x.permute(perm)
     layout = Layout(tuple(perm), tuple(xm.shape), perm.index(token_dim))
     m, t, c = layout.rows
-    return xm.reshape(m, t, c).float(), layout
+    return xm.reshape(m, t, c), layout
 
 
 def _split_exact(x3: torch.Tensor, ratio: float, lead: int, static: bool, dtype: torch.dtype, backend: Backend):

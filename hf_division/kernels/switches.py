@@ -37,6 +37,9 @@ class Switches:
     compile: bool = _switch(
         "The compressor's torch kernels compiled with torch.compile over fixed-size chunks (where the native "
         "kernels do not apply). Off: eager. Turned off, with a warning, where compiling fails.")
+    triton: bool = _switch(
+        "The compressor's Triton kernels for token groups on CUDA devices (kernels/triton_kernels.py), where "
+        "Triton is importable. Off: the torch kernels (compiled or eager, see `compile`).")
     gated_from_codes: bool = _switch(
         "A SiLU-gated MLP's product and gradients computed natively from the compressed gate and up codes, "
         "neither rebuilt as a tensor (CPU, float32). Off: both rebuilt, then ATen's ops.")

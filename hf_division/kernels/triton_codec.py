@@ -1,0 +1,260 @@
+"""The compressor's GPU kernels in Triton: token groups encoded and rebuilt in one launch each, the
+exact (outlier) tokens scored and chosen in two more, no host synchronisation (docs/DESIGN.md,
+"On a GPU").
+
+The math is :mod:`hf_division.quant.codecs`' element by element: the same block sums in token order,
+the same bf16 rounding on the bits, the same counter-based noise (:func:`~hf_division.quant.rounding.hash_uniform`
+of each element's index in the padded ``(M*Tp, C)`` tokens), the same word layout
+(:func:`~hf_division.quant.packing.code_layout`). Under Triton's interpreter (``TRITON_INTERPRET=1``,
+CPU tensors) the codes, block means and group ranges equal the reference's to the bit
+(``tests/test_triton.py``); compiled for a GPU, a multiply-add may be fused into one rounding, which
+moves a code at an exact tie.
+
+Each launcher takes the tensor as it is held (any float dtype, any strides of its ``(M, T, C)``
+view): no float32 copy, no padding copy. What the pipeline does around them is in
+:class:`hf_division.compress.backends.TritonBackend`.
+
+Where no CUDA device is present the kernels are defined for Triton's interpreter, so that the
+same code runs on CPU tensors in the tests; :func:`available` says whether Triton is importable.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+
+from hf_division.kernels.switches import switches
+
+try:  # Triton ships with CUDA builds of torch; a CPU build may lack it (then the torch kernels run)
+    import triton
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+
+#: LFC kinds of the kernels: none, then the stored dtype
+LFC_KIND = {None: 0, torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+#: tokens of the exact-token search's median sample (docs/DESIGN.md, "On a GPU")
+SAMPLE = 1024
+_counts = {"launches": 0}
+
+
+_cpu = {"on": False}
+
+
+def available() -> bool:
+    """Whether the kernels can run here (Triton importable)."""
+    return triton is not None
+
+
+def applies(device: torch.device) -> bool:
+    """Whether the compressor uses these kernels for token groups on ``device``: a CUDA device with
+    the ``triton`` switch on, or the CPU inside :func:`on_cpu`."""
+    if device.type == "cuda":
+        return triton is not None and switches().triton
+    return device.type == "cpu" and _cpu["on"]
+
+
+def device_path(device: torch.device) -> bool:
+    """Whether tensors on ``device`` take the GPU's path, where reading a value back on the host
+    stalls the device and breaks CUDA-graph capture: any device but the CPU, and the CPU inside
+    :func:`on_cpu`. Elsewhere a readback costs nothing and the CPU's data-dependent paths run."""
+    return device.type != "cpu" or _cpu["on"]
+
+
+@contextlib.contextmanager
+def on_cpu():
+    """Inside, CPU tensors go through these kernels (under Triton's interpreter, ``TRITON_INTERPRET=1``)
+    as CUDA tensors do: how the tests run the GPU path on a CPU machine."""
+    if triton is None:
+        raise RuntimeError("hf-division: on_cpu() needs Triton (pip install triton)")
+    before, _cpu["on"] = _cpu["on"], True
+    try:
+        yield
+    finally:
+        _cpu["on"] = before
+
+
+def launches() -> int:
+    """Kernel launches so far in this process (the launch-budget test reads it)."""
+    return _counts["launches"]
+
+
+def _kernels(compile_only: bool = False):
+    """The jit kernels' module, imported once (``compile_only``: to compile, not to run)."""
+    global _KERNELS
+    if _KERNELS is None:
+        if not (compile_only or torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+            raise RuntimeError("hf-division: without a CUDA device the Triton kernels run only under Triton's "
+                               "interpreter: set TRITON_INTERPRET=1 in the environment before Python starts")
+        from hf_division.kernels import triton_kernels
+
+        _KERNELS = triton_kernels
+    return _KERNELS
+
+
+_KERNELS = None
+
+
+# ----------------------------------------------------------------------------- launchers
+_launching = {"depth": 0}
+
+
+def launching() -> bool:
+    """Whether a kernel launch is under way (the interpreter's own tensor copies then run)."""
+    return _launching["depth"] > 0
+
+
+def _launch(name: str, grid: tuple, *args, **meta) -> None:
+    _counts["launches"] += 1
+    _launching["depth"] += 1
+    try:
+        getattr(_kernels(), name + "_kernel")[grid](*args, **meta, **_OPTIONS.get(name, {}))
+    finally:
+        _launching["depth"] -= 1
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pow2(n: int) -> int:
+    """The power of 2 at or above ``n`` (>= 1), in plain Python: it runs per launch."""
+    return 1 << (max(1, int(n)) - 1).bit_length()
+
+
+def _channel_tile(c: int, rows: int) -> int:
+    """Channels per program: a tile of about 2048 values, at least 16 channels."""
+    return max(16, min(_pow2(c), _pow2(2048 // _pow2(rows))))
+
+
+@functools.lru_cache(maxsize=256)
+def _layouts(group: int, rest: int, bits: int) -> tuple:
+    return tuple(_group_layouts(group, rest, bits).items())
+
+
+def _group_layouts(group: int, rest: int, bits: int) -> dict:
+    """The word layout of a full group and of the last, partial one (``code_layout``'s)."""
+    from hf_division.quant.packing import code_layout
+
+    full_dtype, r_full = code_layout(group, bits)
+    last_dtype, r_last = code_layout(rest, bits) if rest else (torch.uint8, 0)
+    return dict(r_last=r_last, R_FULL=r_full, FULL32=full_dtype == torch.int32, LAST32=last_dtype == torch.int32,
+                RT_FULL=_pow2(r_full), RT_LAST=_pow2(r_last))
+
+
+def encode_tokens(x3: torch.Tensor, seed, bits: int, block: int, group: int, lfc_dtype, exact=None):
+    """``(M, T, C)`` tokens (any float dtype and strides) -> ``TokenBuffers`` filled as
+    :func:`hf_division.quant.codecs.encode_tokens` fills them, rows padded to whole blocks by
+    repeating the last token; one launch. ``seed``: 0-d int64 tensor on the device (None: round
+    to nearest). ``exact``: :func:`exact_tokens`' result, whose tokens are zeroed in what is
+    encoded and copied into its ``rows``."""
+    from hf_division.quant.packed import TokenBuffers, code_views
+    from hf_division.quant.rounding import SCALE_DTYPE
+
+    m, t, c = x3.shape
+    out = TokenBuffers.empty(m, t, c, bits, block, group, lfc_dtype, SCALE_DTYPE, x3.device)
+    full, last = code_views(out.codes, out.n_full, out.rest, group, bits, c)
+    lay = dict(_layouts(group, out.rest, bits))
+    bc = _channel_tile(c, lay["R_FULL"])
+    grid = (out.n_full + (out.rest > 0), _cdiv(c, bc))
+    slot, rows = (out.lo, out.lo) if exact is None else (exact["slot"], exact["rows"])
+    _launch("encode", grid, x3, *x3.stride(), t, out.tokens // m, c, out.n_full, out.rest, lay.pop("r_last"),
+            out.lo if seed is None else seed, slot, rows, full, out.lo if last is None else last,
+            out.lo if out.lfc is None else out.lfc, out.lo, out.scale, BITS=bits, BLOCK=block, GROUP=group, BC=bc, NBT=_pow2(group // block),
+            LFC=LFC_KIND[lfc_dtype if block > 1 else None], HAS_SEED=seed is not None, HAS_SLOT=exact is not None,
+            **lay)
+    return out
+
+
+def decode_tokens(p, rows: bool = True) -> torch.Tensor:
+    """A token-grouped ``Packed`` -> ``(M, T, C)`` in ``p.dtype`` (clamped to its finite range),
+    its exact rows in their places; one launch, two with exact rows."""
+    from hf_division.quant.packed import code_views
+
+    m, t, c = p.layout.rows
+    block, group = p.block_size, p.group_size
+    tp = -(-t // block) * block
+    n_full, rest = divmod(m * tp, group)
+    full, last = code_views(p.packed, n_full, rest, group, p.bits, c)
+    out = torch.empty(m * t, c, dtype=p.dtype, device=p.packed.device)
+    lay = dict(_layouts(group, rest, p.bits))
+    bc = _channel_tile(c, lay["R_FULL"])
+    top = torch.finfo(p.dtype).max if p.dtype != torch.float32 else 0.0
+    _launch("decode", (n_full + (rest > 0), _cdiv(c, bc)), out, t, tp, c, n_full, rest, lay.pop("r_last"),
+            full, full if last is None else last, p.lo if p.lfc is None else p.lfc, p.lo, p.scale, top,
+            BITS=p.bits, BLOCK=block, GROUP=group, BC=bc, HAS_LFC=p.lfc is not None, CLAMP=p.dtype != torch.float32,
+            OUT_BF16=p.dtype == torch.bfloat16,
+            **lay)
+    if rows and p.rows is not None and p.rows.numel():
+        keep = p.row_keep
+        bc = max(16, min(_pow2(c), 1024))
+        _launch("put_rows", (p.rows.shape[0], _cdiv(c, bc)), out, p.rows, p.row_index,
+                p.row_index if keep is None else keep.view(torch.int8), c, HAS_KEEP=keep is not None, BC=bc)
+    return out.view(m, t, c)
+
+
+def exact_tokens(x3: torch.Tensor, ratio: float) -> dict:
+    """The outlier tokens of ``(M, T, C)`` (any dtype and strides) at a fixed capacity, with no
+    host synchronisation; two launches. Returns ``slot`` (``(M*T,)`` int32: ``2 * slot + 1`` for
+    a token held exact, -1 otherwise), ``rows`` (``(k, C)`` in ``x3``'s dtype, filled by
+    :func:`encode_tokens`), ``row_index`` (int64) and ``row_keep`` (bool), ``k = max(1, M*T // 64)``
+    as :func:`hf_division.quant.exact_tokens.outlier_candidates`.
+
+    The criterion is that function's, max |x| of a token above ``ratio`` times the median token's,
+    with the median of a strided sample of :data:`SAMPLE` tokens (exact up to that many) and, past
+    ``k`` such tokens, whichever took a slot first instead of the largest (docs/DESIGN.md, "On a GPU")."""
+    m, t, c = x3.shape
+    n = m * t
+    k = min(max(1, n // 64), n)
+    dev = x3.device
+    score = torch.empty(n, dtype=torch.float32, device=dev)
+    slot = torch.empty(n, dtype=torch.int32, device=dev)
+    row_index = torch.empty(k, dtype=torch.int64, device=dev)
+    row_keep = torch.empty(k, dtype=torch.bool, device=dev)
+    count = torch.empty(1, dtype=torch.int32, device=dev)
+    bt = 64
+    bc = max(16, min(_pow2(c), 2048 // bt))
+    _launch("score", (_cdiv(max(n, k), bt),), x3, *x3.stride(), t, c, n, score, row_index,
+            row_keep.view(torch.int8), count, k, BT=bt, BC=bc)
+    bt = 1024
+    _launch("select", (_cdiv(n, bt),), score, n, max(1, n // SAMPLE), k, float(ratio), slot, row_index,
+            row_keep.view(torch.int8), count, SAMPLE=SAMPLE, BT=bt)
+    rows = torch.empty(k, c, dtype=x3.dtype, device=dev)
+    return dict(slot=slot, rows=rows, row_index=row_index, row_keep=row_keep)
+
+
+def compile_all(arch: int = 90) -> dict:
+    """Compile every kernel for CUDA compute capability ``arch`` (90: H100/H200) without a GPU, at the
+    shapes the defaults give (bf16 tokens, 4-bit groups of 256 tokens, an LFC of 16-token blocks):
+    ``{kernel: its PTX}``. What the interpreter cannot check (types, layouts, register allocation);
+    raises what a GPU's first launch would. Run in a process without ``TRITON_INTERPRET``."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernels = _kernels(compile_only=True)
+    groups = dict(BITS=4, BLOCK=16, GROUP=256, BC=64, R_FULL=32, FULL32=True, LAST32=False, RT_FULL=32, RT_LAST=128)
+    cases = {
+        "encode": ({"x_ptr": "*bf16", "seed_ptr": "*i64", "slot_ptr": "*i32", "rows_ptr": "*bf16", "full_ptr": "*i32",
+                    "last_ptr": "*u8", "lfc_ptr": "*bf16", "lo_ptr": "*bf16", "scale_ptr": "*bf16"},
+                   dict(groups, NBT=16, LFC=1, HAS_SEED=True, HAS_SLOT=True)),
+        "decode": ({"out_ptr": "*bf16", "full_ptr": "*i32", "last_ptr": "*u8", "lfc_ptr": "*bf16", "lo_ptr": "*bf16",
+                    "scale_ptr": "*bf16", "top": "fp32"}, dict(groups, HAS_LFC=True, CLAMP=True, OUT_BF16=True)),
+        "put_rows": ({"out_ptr": "*bf16", "rows_ptr": "*bf16", "index_ptr": "*i64", "keep_ptr": "*i8"},
+                     dict(HAS_KEEP=True, BC=64)),
+        "score": ({"x_ptr": "*bf16", "score_ptr": "*fp32", "index_ptr": "*i64", "keep_ptr": "*i8", "count_ptr": "*i32"},
+                  dict(BT=64, BC=32)),
+        "select": ({"score_ptr": "*fp32", "slot_ptr": "*i32", "index_ptr": "*i64", "keep_ptr": "*i8",
+                    "count_ptr": "*i32", "ratio": "fp32"}, dict(SAMPLE=SAMPLE, BT=1024)),
+    }
+    out = {}
+    for name, (types, constants) in cases.items():
+        fn = getattr(kernels, name + "_kernel")
+        signature = {a: "constexpr" if a in constants else types.get(a, "i32") for a in fn.arg_names}
+        src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
+        out[name] = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=_OPTIONS.get(name, {})).asm["ptx"]
+    return out
+
+
+#: per kernel launch options: no multiply-add fusion where the reference rounds each product
+_OPTIONS = {"encode": {"enable_fp_fusion": False}, "decode": {"enable_fp_fusion": False}}

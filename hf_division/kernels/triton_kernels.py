@@ -1,0 +1,286 @@
+"""The compressor's Triton kernels (jit code only; launched by :mod:`.triton_codec`, which imports
+this module with ``TRITON_INTERPRET=1`` where no CUDA device is present). The math of each is named
+in its docstring; why they are shaped so is docs/DESIGN.md, "On a GPU"."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def hash_uniform(idx, seed):
+    """:func:`hf_division.quant.rounding.hash_uniform` on int64 indices (>= 0) and a seed in
+    [0, 2**32): the same 32-bit hash, its products reduced modulo 2**32."""
+    x = (idx + seed) % 4294967296
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) % 4294967296
+    x = x ^ (x >> 15)
+    x = (x * 0x5BD1E995) % 4294967296
+    x = x ^ (x >> 16)
+    return (((x >> 8) % 16777216).to(tl.float32) + 0.5) * (1.0 / 16777216)
+
+
+@triton.jit
+def bf16_directed(v, DOWN: tl.constexpr):
+    """:func:`hf_division.quant.rounding.bf16_directed`: float32 -> the next bf16 value toward
+    -inf (DOWN) or +inf, on the bits."""
+    i = v.to(tl.int32, bitcast=True)
+    inexact = (i & 0xFFFF) != 0
+    if DOWN:
+        away = inexact & (v < 0)
+    else:
+        away = inexact & (v > 0)
+    return ((i & -65536) + away.to(tl.int32) * 65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_lfc(v, LFC: tl.constexpr):
+    """:func:`hf_division.quant.rounding.round_lfc`'s float32 value: nearest-even bf16 on the
+    bits (NaN kept), fp16 through a cast, float32 as it is."""
+    if LFC == 1:
+        i = v.to(tl.int32, bitcast=True)
+        r = ((i + 0x7FFF + ((i >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        return tl.where(v == v, r, v)
+    elif LFC == 2:
+        return v.to(tl.float16).to(tl.float32)
+    else:
+        return v
+
+
+@triton.jit
+def token_rows(p, T, Tp, sm, st):
+    """Padded token ``p`` of the ``(M*Tp)`` run -> (its element offset, its token among the
+    ``M*T``, whether it is a real token): a padded token repeats its row's last."""
+    m = p // Tp
+    t = p - m * Tp
+    real = t < T
+    t = tl.minimum(t, T - 1)
+    return m * sm + t * st, m * T + t, real
+
+
+@triton.jit
+def load_tokens(x_ptr, p, ok, ch, cmask, T, Tp, sm, st, sc, slot_ptr, HAS_SLOT: tl.constexpr):
+    """``(tokens p x channels ch)`` float32, the exact tokens zeroed; and their slots."""
+    off, tok, real = token_rows(p, T, Tp, sm, st)
+    mask = ok[:, None] & cmask[None, :]
+    v = tl.load(x_ptr + off[:, None] + ch[None, :] * sc, mask=mask, other=0.0).to(tl.float32)
+    slot = tl.full(p.shape, -1, tl.int32)
+    if HAS_SLOT:
+        slot = tl.load(slot_ptr + tok, mask=ok, other=-1)
+        v = tl.where(((slot >= 0) & ((slot & 1) == 1))[:, None], 0.0, v)
+    return v, slot, real
+
+
+@triton.jit
+def block_means(x_ptr, p0, glen, ch, cmask, T, Tp, sm, st, sc, slot_ptr, lfc_ptr, lfc0, C,
+                BLOCK: tl.constexpr, NBT: tl.constexpr, LFC: tl.constexpr, HAS_SLOT: tl.constexpr):
+    """Store the group's block means (summed in token order from +0, as ``block_sum``)."""
+    b = tl.arange(0, NBT)
+    ok = b < glen // BLOCK
+    acc = tl.full((NBT, ch.shape[0]), 0, tl.float32)
+    for j in tl.static_range(BLOCK):
+        v, _, _ = load_tokens(x_ptr, p0 + b * BLOCK + j, ok, ch, cmask, T, Tp, sm, st, sc, slot_ptr, HAS_SLOT)
+        acc = acc + v
+    mean = round_lfc(acc * (1.0 / BLOCK), LFC)
+    where = lfc_ptr + (lfc0 + b).to(tl.int64)[:, None] * C + ch[None, :]
+    tl.store(where, mean.to(lfc_ptr.dtype.element_ty), mask=ok[:, None] & cmask[None, :])
+
+
+@triton.jit
+def residual(x_ptr, p0, r, ok, ch, cmask, T, Tp, sm, st, sc, slot_ptr, lfc_ptr, lfc0, C,
+             BLOCK: tl.constexpr, LFC: tl.constexpr, HAS_SLOT: tl.constexpr):
+    """The HFC of tokens ``p0 + r``: x minus its block's stored mean; the raw x; slots; real."""
+    v, slot, real = load_tokens(x_ptr, p0 + r, ok, ch, cmask, T, Tp, sm, st, sc, slot_ptr, HAS_SLOT)
+    h = v
+    if LFC != 0:
+        where = lfc_ptr + (lfc0 + r // BLOCK).to(tl.int64)[:, None] * C + ch[None, :]
+        h = v - tl.load(where, mask=ok[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+    return h, slot, real
+
+
+@triton.jit
+def encode_group(x_ptr, p0, glen, R, word_ptr, g, ch, cmask, T, Tp, C, sm, st, sc, seed, slot_ptr, rows_ptr,
+                 lfc_ptr, lo_ptr, scale_ptr, BITS: tl.constexpr, BLOCK: tl.constexpr, NBT: tl.constexpr,
+                 PER: tl.constexpr, RT: tl.constexpr, WORD32: tl.constexpr, LFC: tl.constexpr,
+                 HAS_SEED: tl.constexpr, HAS_SLOT: tl.constexpr):
+    """One group of ``glen`` tokens x the channels ``ch``: block means, range, codes."""
+    lfc0 = p0 // BLOCK
+    if LFC != 0:
+        block_means(x_ptr, p0, glen, ch, cmask, T, Tp, sm, st, sc, slot_ptr, lfc_ptr, lfc0, C,
+                    BLOCK, NBT, LFC, HAS_SLOT)
+        tl.debug_barrier()  # the means are read back below by other threads of this program
+    u = tl.arange(0, RT)
+    lo = tl.full((ch.shape[0],), float("inf"), tl.float32)
+    hi = tl.full((ch.shape[0],), float("-inf"), tl.float32)
+    for i in tl.static_range(PER):
+        r = u + i * R
+        ok = (u < R) & (r < glen)
+        h, _, _ = residual(x_ptr, p0, r, ok, ch, cmask, T, Tp, sm, st, sc, slot_ptr, lfc_ptr, lfc0, C,
+                           BLOCK, LFC, HAS_SLOT)
+        lo = tl.minimum(lo, tl.min(tl.where(ok[:, None], h, float("inf")), axis=0))
+        hi = tl.maximum(hi, tl.max(tl.where(ok[:, None], h, float("-inf")), axis=0))
+    levels = (1 << BITS) - 1
+    lo = bf16_directed(lo, True)
+    scale = bf16_directed((hi - lo) * (1.0 / levels), False)
+    inv = tl.where(scale > 0, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
+    tl.store(lo_ptr + g * C + ch, lo.to(tl.bfloat16), mask=cmask)
+    tl.store(scale_ptr + g * C + ch, scale.to(tl.bfloat16), mask=cmask)
+    word = tl.full((RT, ch.shape[0]), 0, tl.int32)
+    for i in tl.static_range(PER):
+        r = u + i * R
+        ok = (u < R) & (r < glen)
+        h, slot, real = residual(x_ptr, p0, r, ok, ch, cmask, T, Tp, sm, st, sc, slot_ptr, lfc_ptr, lfc0, C,
+                                 BLOCK, LFC, HAS_SLOT)
+        y = (h - lo[None, :]) * inv[None, :]
+        if HAS_SEED:
+            y = y + hash_uniform((p0 + r).to(tl.int64)[:, None] * C + ch[None, :], seed)
+        else:
+            y = y + 0.5
+        q = tl.minimum(tl.maximum(y, 0.0), levels * 1.0).to(tl.int32)
+        word = word | (tl.where(ok[:, None], q, 0) << (BITS * i))
+        if HAS_SLOT:  # the exact tokens' rows, as held (once: not from a padded copy)
+            held = ok & real & (slot >= 0)
+            off, _, _ = token_rows(p0 + r, T, Tp, sm, st)
+            v = tl.load(x_ptr + off[:, None] + ch[None, :] * sc, mask=held[:, None] & cmask[None, :])
+            tl.store(rows_ptr + (slot >> 1).to(tl.int64)[:, None] * C + ch[None, :], v,
+                     mask=held[:, None] & cmask[None, :])
+    where = u[:, None] * C + ch[None, :]
+    mask = (u < R)[:, None] & cmask[None, :]
+    if WORD32:
+        tl.store(word_ptr + where, word, mask=mask)
+    else:
+        tl.store(word_ptr + where, word.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def encode_kernel(x_ptr, sm, st, sc, T, Tp, C, n_full, rest, r_last, seed_ptr, slot_ptr, rows_ptr,
+                  full_ptr, last_ptr, lfc_ptr, lo_ptr, scale_ptr,
+                  BITS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, BC: tl.constexpr,
+                  R_FULL: tl.constexpr, FULL32: tl.constexpr, LAST32: tl.constexpr,
+                  RT_FULL: tl.constexpr, RT_LAST: tl.constexpr, NBT: tl.constexpr, LFC: tl.constexpr,
+                  HAS_SEED: tl.constexpr, HAS_SLOT: tl.constexpr):
+    """Grid (groups, channel blocks): the full groups, then the last, partial one."""
+    g = tl.program_id(0)
+    ch = tl.program_id(1) * BC + tl.arange(0, BC)
+    cmask = ch < C
+    seed = 0
+    if HAS_SEED:
+        seed = tl.load(seed_ptr).to(tl.int64)
+    p0 = g * GROUP
+    if g < n_full:
+        encode_group(x_ptr, p0, GROUP, R_FULL, full_ptr + g.to(tl.int64) * R_FULL * C, g, ch, cmask, T, Tp, C,
+                     sm, st, sc, seed, slot_ptr, rows_ptr, lfc_ptr, lo_ptr, scale_ptr, BITS, BLOCK,
+                     NBT, 32 // BITS if FULL32 else 8 // BITS, RT_FULL, FULL32, LFC, HAS_SEED, HAS_SLOT)
+    else:
+        encode_group(x_ptr, p0, rest, r_last, last_ptr, g, ch, cmask, T, Tp, C,
+                     sm, st, sc, seed, slot_ptr, rows_ptr, lfc_ptr, lo_ptr, scale_ptr, BITS, BLOCK,
+                     NBT, 32 // BITS if LAST32 else 8 // BITS, RT_LAST, LAST32, LFC, HAS_SEED,
+                     HAS_SLOT)
+
+
+@triton.jit
+def decode_group(out_ptr, p0, glen, R, word_ptr, g, ch, cmask, T, Tp, C, lfc_ptr, lo_ptr, scale_ptr, top,
+                 BITS: tl.constexpr, BLOCK: tl.constexpr, PER: tl.constexpr, RT: tl.constexpr,
+                 HAS_LFC: tl.constexpr, CLAMP: tl.constexpr, OUT_BF16: tl.constexpr):
+    """One group's real tokens rebuilt into ``out`` (``(M*T, C)``, its dtype)."""
+    u = tl.arange(0, RT)
+    mask = (u < R)[:, None] & cmask[None, :]
+    word = tl.load(word_ptr + u[:, None] * C + ch[None, :], mask=mask, other=0).to(tl.int32)
+    lo = tl.load(lo_ptr + g * C + ch, mask=cmask, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + g * C + ch, mask=cmask, other=0.0).to(tl.float32)
+    for i in tl.static_range(PER):
+        r = u + i * R
+        ok = (u < R) & (r < glen)
+        _, tok, real = token_rows(p0 + r, T, Tp, 0, 0)
+        q = ((word >> (BITS * i)) & ((1 << BITS) - 1)).to(tl.float32)
+        base = tl.full((RT, ch.shape[0]), 0, tl.float32) + lo[None, :]
+        if HAS_LFC:
+            where = lfc_ptr + ((p0 + r) // BLOCK).to(tl.int64)[:, None] * C + ch[None, :]
+            base = base + tl.load(where, mask=ok[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+        v = base + q * scale[None, :]
+        if CLAMP:
+            v = tl.minimum(tl.maximum(v, -top), top)
+        if OUT_BF16:  # to nearest even on the bits: the interpreter's own cast truncates
+            v = round_lfc(v, 1)
+        keep = (ok & real)[:, None] & cmask[None, :]
+        tl.store(out_ptr + tok.to(tl.int64)[:, None] * C + ch[None, :], v.to(out_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
+def decode_kernel(out_ptr, T, Tp, C, n_full, rest, r_last, full_ptr, last_ptr, lfc_ptr, lo_ptr, scale_ptr, top,
+                  BITS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, BC: tl.constexpr,
+                  R_FULL: tl.constexpr, FULL32: tl.constexpr, LAST32: tl.constexpr, RT_FULL: tl.constexpr,
+                  RT_LAST: tl.constexpr, HAS_LFC: tl.constexpr, CLAMP: tl.constexpr, OUT_BF16: tl.constexpr):
+    g = tl.program_id(0)
+    ch = tl.program_id(1) * BC + tl.arange(0, BC)
+    cmask = ch < C
+    p0 = g * GROUP
+    if g < n_full:
+        decode_group(out_ptr, p0, GROUP, R_FULL, full_ptr + g.to(tl.int64) * R_FULL * C, g, ch, cmask, T, Tp, C,
+                     lfc_ptr, lo_ptr, scale_ptr, top, BITS, BLOCK, 32 // BITS if FULL32 else 8 // BITS, RT_FULL,
+                     HAS_LFC, CLAMP, OUT_BF16)
+    else:
+        decode_group(out_ptr, p0, rest, r_last, last_ptr, g, ch, cmask, T, Tp, C, lfc_ptr, lo_ptr, scale_ptr,
+                     top, BITS, BLOCK, 32 // BITS if LAST32 else 8 // BITS, RT_LAST, HAS_LFC, CLAMP, OUT_BF16)
+
+
+@triton.jit
+def put_rows_kernel(out_ptr, rows_ptr, index_ptr, keep_ptr, C, HAS_KEEP: tl.constexpr, BC: tl.constexpr):
+    """The exact rows back in their places (those marked kept)."""
+    k = tl.program_id(0)
+    ch = tl.program_id(1) * BC + tl.arange(0, BC)
+    ok = ch < C
+    if HAS_KEEP:
+        ok = ok & (tl.load(keep_ptr + k + 0 * ch) != 0)  # the flag as a vector: a scalar mask is not broadcast
+    v = tl.load(rows_ptr + k.to(tl.int64) * C + ch, mask=ok)
+    tl.store(out_ptr + tl.load(index_ptr + k) * C + ch, v, mask=ok)
+
+
+@triton.jit
+def score_kernel(x_ptr, sm, st, sc, T, C, n, score_ptr, index_ptr, keep_ptr, count_ptr, k,
+                 BT: tl.constexpr, BC: tl.constexpr):
+    """Max |x| per token (float32; the outlier search's score), and the exact rows' bookkeeping
+    cleared: no slot taken, none kept."""
+    pid = tl.program_id(0)
+    tok = pid * BT + tl.arange(0, BT)
+    ok = tok < n
+    m = tok // T
+    off = m * sm + (tok - m * T) * st
+    best = tl.full((BT,), 0, tl.float32)
+    for c0 in range(0, C, BC):
+        ch = c0 + tl.arange(0, BC)
+        v = tl.load(x_ptr + off[:, None] + ch[None, :] * sc, mask=ok[:, None] & (ch < C)[None, :], other=0.0)
+        best = tl.maximum(best, tl.max(tl.abs(v.to(tl.float32)), axis=1))
+    tl.store(score_ptr + tok, best, mask=ok)
+    clear = tok < k
+    tl.store(index_ptr + tok, tl.full((BT,), 0, tl.int64), mask=clear)
+    tl.store(keep_ptr + tok, tl.full((BT,), 0, tl.int8), mask=clear)
+    if pid == 0:
+        tl.store(count_ptr, 0)
+
+
+@triton.jit
+def select_kernel(score_ptr, n, stride, k, ratio, slot_ptr, index_ptr, keep_ptr, count_ptr,
+                  SAMPLE: tl.constexpr, BT: tl.constexpr):
+    """Tokens whose score exceeds ``ratio`` times the median of a strided sample of ``SAMPLE``
+    scores (all of them when ``n <= SAMPLE``): a slot each, up to ``k``. Each program finds
+    the sample's lower median itself (bit by bit: scores are >= 0, so their bits order as
+    int32), then takes slots for its tokens from one counter."""
+    j = tl.arange(0, SAMPLE)
+    s_ok = j < tl.minimum(n, SAMPLE)
+    bits = tl.load(score_ptr + (j * stride).to(tl.int64), mask=s_ok, other=0.0).to(tl.int32, bitcast=True)
+    want = (tl.minimum(n, SAMPLE) - 1) // 2
+    med = 0
+    for b in tl.static_range(30, -1, -1):
+        trial = med | (1 << b)
+        below = tl.sum((s_ok & (bits < trial)).to(tl.int32), axis=0)
+        med = tl.where(below <= want, trial, med)
+    threshold = ratio * med.to(tl.float32, bitcast=True)
+    tok = tl.program_id(0) * BT + tl.arange(0, BT)
+    ok = tok < n
+    take = ok & (tl.load(score_ptr + tok, mask=ok, other=0.0) > threshold)
+    count = tl.sum(take.to(tl.int32), axis=0)
+    first = tl.atomic_add(count_ptr, count)
+    slot = first + tl.cumsum(take.to(tl.int32), axis=0) - 1
+    take = take & (slot < k)
+    tl.store(slot_ptr + tok, tl.where(take, slot * 2 + 1, -1), mask=ok)
+    tl.store(index_ptr + slot, tok.to(tl.int64), mask=take)
+    tl.store(keep_ptr + slot, tl.full((BT,), 1, tl.int8), mask=take)

@@ -1,0 +1,305 @@
+"""The compressor's Triton kernels (hf_division/kernels/triton_kernels.py), on a CPU machine under
+Triton's interpreter (tests/conftest.py sets ``TRITON_INTERPRET=1`` where there is no CUDA device):
+the same codes, block means and ranges as the reference math (hf_division/quant/codecs.py) for both
+roundings, every bit width and LFC dtype, ragged blocks and groups, any input dtype and strides; the
+rebuild to the bit; the exact tokens; the launch budget with no host synchronisation; and that
+every kernel compiles for an H200 (sm_90) with the Triton installed here.
+
+    TRITON_INTERPRET=1 python -m pytest tests/test_triton.py
+"""
+import contextlib
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hf_division.compress.backends import EAGER
+from hf_division.compress.pipeline import compress, decompress
+from hf_division.kernels import configured
+from hf_division.kernels import triton_codec as tc
+from hf_division.quant.exact_tokens import split_static
+
+pytestmark = [
+    pytest.mark.skipif(not tc.available(), reason="Triton is not installed (pip install hf-division[test])"),
+    pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                       reason="no CUDA device and TRITON_INTERPRET is not 1"),
+]
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+LFC = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@pytest.fixture(autouse=True)
+def _triton_path():
+    with tc.on_cpu():
+        yield
+
+
+def _tokens(m, t, c, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, t, c, generator=g) * torch.linspace(0.05, 4, c) + torch.randn(1, 1, c, generator=g)
+    return x.to(dtype).to(DEV)
+
+
+def _seed(value):
+    return None if value is None else torch.tensor(value, dtype=torch.int64, device=DEV)
+
+
+# (M, T, C, block, group): T off the block, M*Tp off the group (a ragged last group), one group
+# shorter than a block's multiple of words, and a row shorter than a block
+SHAPES = [(2, 37, 40, 4, 16), (3, 50, 24, 8, 24), (1, 300, 20, 16, 256), (4, 5, 33, 8, 64)]
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("lfc", list(LFC))
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_codes_means_and_ranges_equal_the_reference(bits, lfc, rounding):
+    shape = SHAPES[(bits + len(lfc)) % len(SHAPES)]
+    m, t, c, block, group = shape
+    block = 1 if lfc == "none" else min(block, t)
+    group = max(block, group // block * block)
+    while group * bits % 8:
+        group += block
+    dtype = [torch.float32, torch.bfloat16, torch.float16][bits % 3]
+    x = _tokens(m, t, c, dtype, seed=bits)
+    seed = _seed(None if rounding == "nearest" else 2**32 - 5 - bits)  # the index + seed wraps modulo 2**32
+    got = tc.encode_tokens(x, seed, bits, block, group, LFC[lfc])
+    ref = EAGER.encode_tokens(x.float(), seed, bits, block, group, LFC[lfc])
+    assert torch.equal(got.codes, ref.codes), f"{(got.codes != ref.codes).sum()} code bytes differ"
+    assert torch.equal(got.lo.float(), ref.lo.float()) and torch.equal(got.scale.float(), ref.scale.float())
+    if lfc == "none" or block == 1:
+        assert got.lfc is None and ref.lfc is None
+    else:
+        assert got.lfc.dtype == ref.lfc.dtype and torch.equal(got.lfc.float(), ref.lfc.float())
+
+
+def test_any_strides_read_in_place():
+    """A per-head tensor ``(B, H, T, d)`` stored as ``(B, T, H, d)``: the kernel reads its
+    ``(B, T, H*d)`` view with its strides, and a transposed view with its own."""
+    x = _tokens(2, 40, 48, torch.bfloat16).view(2, 40, 3, 16).transpose(1, 2)  # (B, H, T, d), not contiguous
+    with configured(native=False, compile=False):
+        with tc.on_cpu():
+            p = compress(x, bits=4, block_size=8, group_size=32, stochastic=False)
+        ref = compress(x, bits=4, block_size=8, group_size=32, stochastic=False)
+    assert torch.equal(p.packed, ref.packed) and torch.equal(p.lfc.float(), ref.lfc.float())
+    with tc.on_cpu():
+        y = decompress(p)
+    assert y.shape == x.shape and y.dtype == x.dtype and torch.equal(y, decompress(ref))
+    z = _tokens(1, 64, 24).transpose(1, 2)  # channels-major: the token axis has stride 1
+    out = tc.encode_tokens(z.transpose(1, 2), _seed(7), 4, 8, 32, torch.bfloat16)
+    ref = EAGER.encode_tokens(z.transpose(1, 2).contiguous(), _seed(7), 4, 8, 32, torch.bfloat16)
+    assert torch.equal(out.codes, ref.codes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_rebuild_equals_the_reference_to_the_bit(dtype, bits):
+    x = _tokens(3, 45, 40, dtype)
+    if dtype == torch.float16:
+        x[0, 3, :4] = 65504.0  # at the edge of fp16's range: the rebuild is clamped, not inf
+    kw = dict(bits=bits, block_size=8, group_size=64, outlier_ratio=0.0, stochastic=False)
+    with configured(native=False, compile=False):
+        ref = decompress(compress(x, **kw))
+        with tc.on_cpu():
+            p = compress(x, **kw)
+            got = decompress(p)
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    assert torch.equal(got, ref)
+
+
+def test_stochastic_rounding_unbiased_and_within_one_step():
+    x = _tokens(1, 32, 16)
+    group, n = 32, 32
+    gen = torch.Generator().manual_seed(0)
+    packs = [compress(x, bits=2, block_size=8, group_size=group, generator=gen) for _ in range(n)]
+    assert all(torch.equal(p.scale, packs[0].scale) for p in packs)  # the noise moves codes, not ranges
+    draws = torch.stack([decompress(p) for p in packs])
+    step = packs[0].scale.float().view(1, 1, 16)
+    assert ((draws - x).abs() <= step * (1 + 1e-6) + 1e-6).all()
+    # the mean of n draws errs by about 0.8 * sqrt(f (1 - f) / n) steps (f: the element's fraction),
+    # 0.06 on average here; rounding to nearest would err by 0.25 on average, a floor by 0.5
+    bias = (draws.mean(0) - x).abs() / step.clamp(min=1e-12)
+    assert bias.mean() < 0.1 and bias.max() < 0.5
+
+
+def test_exact_tokens_chosen_as_the_reference_chooses_them():
+    """Up to :data:`SAMPLE` tokens the median is exact: the same tokens held exact as
+    ``split_static``, the same bytes and the same rebuild."""
+    x = _tokens(2, 200, 32, torch.bfloat16)
+    x[0, 5] *= 100
+    x[1, 17, 3] = 500
+    kw = dict(bits=4, block_size=8, group_size=64, outlier_ratio=16.0, static_rows=True, stochastic=False)
+    with configured(native=False, compile=False):
+        ref = compress(x, **kw)
+        with tc.on_cpu():
+            p = compress(x, **kw)
+            got = decompress(p)
+        want = decompress(ref)
+    assert sorted(p.row_index[p.row_keep].tolist()) == sorted(ref.row_index[ref.row_keep].tolist()) == [5, 217]
+    assert p.nbytes == ref.nbytes and torch.equal(p.packed, ref.packed)
+    assert torch.equal(got, want) and torch.equal(got[0, 5], x[0, 5])
+    _, _, index, keep = split_static(x.float(), 16.0, 0, x.dtype)
+    assert sorted(index[keep].tolist()) == [5, 217]
+
+
+def test_exact_tokens_past_the_sample_and_past_the_capacity():
+    """Past :data:`SAMPLE` tokens the median is a strided sample's: the massive tokens are still
+    found; past ``k`` candidates, ``k`` of them are held and the rest compressed."""
+    x = _tokens(4, 700, 8)  # 2800 tokens: sampled
+    x[1, 3] *= 200
+    x[3, 650, 2] = 1e4
+    ex = tc.exact_tokens(x, 16.0)
+    held = ex["row_index"][ex["row_keep"]].tolist()
+    assert sorted(held) == [703, 2750]
+    assert ex["row_index"].numel() == 2800 // 64
+    crowded = _tokens(1, 128, 8)
+    crowded[0, :10] *= 1000  # 10 outliers, room for 2
+    ex = tc.exact_tokens(crowded, 16.0)
+    assert ex["row_keep"].sum() == 2 and set(ex["row_index"][ex["row_keep"]].tolist()) <= set(range(10))
+    with tc.on_cpu():
+        p = compress(crowded, bits=4, block_size=8, group_size=32, outlier_ratio=16.0, static_rows=True,
+                     generator=torch.Generator().manual_seed(0))
+        y = decompress(p)
+    kept = p.row_index[p.row_keep]
+    assert torch.equal(y[0, kept], crowded[0, kept])
+    assert ((y - crowded).abs() <= p.scale.float().max() * 1.0001).all()
+
+
+#: ops that allocate or view and launch no kernel
+_FREE = {"empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "view", "_unsafe_view", "as_strided", "alias", "detach", "permute", "t",
+         "transpose", "expand", "slice", "select", "unsqueeze", "squeeze", "reshape", "_reshape_alias", "view_as",
+         "lift_fresh", "resolve_conj", "resolve_neg", "unbind", "split", "chunk"}
+#: ops that read a device value back on the host (or size their output by one)
+_SYNCS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique2", "equal", "is_nonzero",
+          "repeat_interleave", "tolist", "masked_scatter", "bincount"}
+
+
+class _Launches(TorchDispatchMode):
+    """The torch ops that would launch a kernel on a GPU, outside the Triton launches (whose
+    interpreter copies tensors itself)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.syncs = [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not tc.launching():
+            if name in _SYNCS or func is torch.ops.aten.index.Tensor and any(
+                    isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or ())):
+                self.syncs.append(name)
+            elif name not in _FREE:
+                self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("ratio", [16.0, 0.0])
+def test_launch_budget_and_no_host_synchronisation(ratio):
+    """One saved tensor as on a GPU (exact tokens at a fixed capacity, the seed from a block drawn
+    ahead): at most 3 launches to compress it and 2 to rebuild it, torch ops included, and no op
+    that reads a value back on the host."""
+    x = _tokens(2, 96, 64, torch.bfloat16)
+    x[0, 0] *= 100
+    gen = torch.Generator().manual_seed(0)
+    kw = dict(bits=4, block_size=16, group_size=64, outlier_ratio=ratio, static_rows=True, generator=gen)
+    compress(x, **kw)  # warm: the kernels defined and this generator's block of seeds drawn
+    before = tc.launches()
+    with _Launches() as mode:
+        p = compress(x, **kw)
+    assert not mode.syncs, mode.syncs
+    assert tc.launches() - before + len(mode.ops) <= 3, (tc.launches() - before, mode.ops)
+    before = tc.launches()
+    with _Launches() as mode:
+        y = decompress(p)
+    assert not mode.syncs, mode.syncs
+    assert tc.launches() - before + len(mode.ops) <= 2, (tc.launches() - before, mode.ops)
+    assert y.dtype == x.dtype and (ratio == 0 or torch.equal(y[0, 0], x[0, 0]))
+
+
+def test_seeds_drawn_in_blocks_follow_the_generator():
+    """Blocks of seeds: one per tensor, distinct; the same again from a generator seeded alike; a
+    generator reseeded since the draw draws a new block, as a fresh one would."""
+    from hf_division.compress.noise import SEED_BLOCK, tensor_seed
+
+    def seeds(gen, n):
+        return [int(tensor_seed(torch.device("cpu"), gen, blocks=True)) for _ in range(n)]
+
+    gen = torch.Generator().manual_seed(5)
+    first = seeds(gen, SEED_BLOCK + 3)
+    assert len(set(first)) == len(first) and all(0 <= s < 2**32 for s in first)
+    assert seeds(torch.Generator().manual_seed(5), SEED_BLOCK + 3) == first
+    gen.manual_seed(5)
+    assert seeds(gen, 4) == first[:4]
+    assert seeds(torch.Generator().manual_seed(6), 4) != first[:4]
+
+
+def test_kernels_compile_for_an_h200():
+    """Every kernel compiles to sm_90 PTX and a cubin (no GPU needed; a process without the
+    interpreter), with no multiply-add fused where the reference rounds each product: what the
+    interpreter cannot check (types, layouts, register allocation)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("from hf_division.kernels.triton_codec import compile_all\n"
+            "ptx = compile_all(90)\n"
+            "print(sorted(ptx), [name for name in ('encode', 'decode') if 'fma.rn.f32' in ptx[name]])")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "['decode', 'encode', 'put_rows', 'score', 'select'] []"
+
+
+#: the CUDA path's switches: the CPU-only fast paths off, as on a GPU
+_AS_ON_A_GPU = dict(native=False, native_draws=False, gated_from_codes=False, sdpa_backward=False, rotary=False)
+
+
+@pytest.mark.parametrize("amp", [None, torch.bfloat16])
+def test_a_training_step_through_the_kernels_matches_the_torch_path(amp):
+    """A Llama step (2 layers, sdpa) with every saved tensor through the Triton kernels, rounding to
+    nearest: the gradient equals the CPU path's to the bit (the same codes, exact tokens and
+    rebuild), and against the unpatched model it is as close as the CPU path's."""
+    import hf_division as hd
+    from hf_division.analysis.fidelity import cosine, flat_grad
+    from hf_division.bench.suites import cuda as cuda_suite
+
+    model = cuda_suite.build("tiny", "cpu")
+    ids = torch.randint(1, 512, (2, 72), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    exact = flat_grad(model, batch, 0, amp)
+    hd.apply_division(model, hd.DivisionConfig(rounding="nearest"))
+    with configured(**_AS_ON_A_GPU):
+        torch_path = flat_grad(model, batch, 0, amp)
+        with tc.on_cpu():
+            before = tc.launches()
+            triton_path = flat_grad(model, batch, 0, amp)
+            assert tc.launches() - before >= 40  # every saved tensor went through the kernels
+    assert torch.equal(triton_path, torch_path)
+    assert cosine(exact, triton_path) > 0.99
+
+
+def test_a_training_step_through_the_kernels_reads_nothing_back():
+    """Forward and backward of a division step on the CUDA path (the kernels, the GPU's switches,
+    bf16 autocast, a padded batch): no op that would synchronise with the host beyond those the
+    unpatched model runs itself (Transformers' sdpa mask checks whether it can skip the mask), the
+    condition for capturing the step in a CUDA graph (tests/test_cuda.py captures one on a GPU)."""
+    import hf_division as hd
+    from hf_division.bench.suites import cuda as cuda_suite
+
+    model = cuda_suite.build("tiny", "cpu").train()
+    ids = torch.randint(1, 512, (2, 40), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 31:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    syncs = {}
+    with configured(**_AS_ON_A_GPU), tc.on_cpu():
+        for arm in ("unpatched", "division"):
+            if arm == "division":
+                hd.apply_division(model)
+            for watched in (False, True):  # the first step pays the one-time set-up
+                mode = _Launches()
+                with mode if watched else contextlib.nullcontext():
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        loss = model(**batch).loss
+                    loss.backward()
+            syncs[arm] = sorted(mode.syncs)
+    assert syncs["division"] == syncs["unpatched"]
