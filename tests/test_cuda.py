@@ -127,3 +127,84 @@ def test_compress_without_host_sync(exact_tokens):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(y[0, 0], x[0, 0])
+
+
+needs_cuda = pytest.mark.skipif(DEV != "cuda", reason="the Triton kernels and CUDA graphs need a CUDA device")
+
+
+@needs_cuda
+@pytest.mark.parametrize("seed", [None, 2**32 - 7])
+def test_triton_codes_equal_the_reference_on_device(seed):
+    """Compiled for the GPU (no multiply-add fusion, IEEE division), the kernels give the reference's
+    codes, block means and ranges to the bit, as under the interpreter (tests/test_triton.py)."""
+    from hf_division.compress.backends import EAGER, pick
+    from hf_division.kernels import triton_codec
+
+    assert pick(torch.device(DEV), "tokens", torch.bfloat16).name == "triton"
+    x = (torch.randn(3, 301, 96, device=DEV) * torch.linspace(0.1, 5, 96, device=DEV)).bfloat16()
+    s = None if seed is None else torch.tensor(seed, dtype=torch.int64, device=DEV)
+    got = triton_codec.encode_tokens(x, s, 4, 16, 256, torch.bfloat16)
+    ref = EAGER.encode_tokens(x.float(), s, 4, 16, 256, torch.bfloat16)
+    assert torch.equal(got.codes, ref.codes) and torch.equal(got.lfc, ref.lfc)
+    assert torch.equal(got.lo, ref.lo) and torch.equal(got.scale, ref.scale)
+
+
+@needs_cuda
+def test_training_step_without_host_sync_on_device():
+    """A whole division step (forward, backward) reads nothing back: CUDA's sync debug mode raises
+    at the first op that would."""
+    model, inputs = llama().train(), batch()
+    hd.apply_division(model)
+    for checked in (False, True):  # the first step compiles the kernels and draws the seeds
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error" if checked else "default")
+        try:
+            with torch.autocast(DEV, dtype=torch.bfloat16):
+                loss = model(**inputs).loss
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@needs_cuda
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_cuda_graph_captured_step_matches_eager(rounding):
+    """A division training step captured in a CUDA graph replays: rounding to nearest, its gradient
+    equals the eager step's; with stochastic rounding (division's noise generators registered
+    with the graph) each replay draws new noise, and stays as close to the exact gradient."""
+    from hf_division.compress.noise import generators
+
+    model, inputs = llama().train(), batch()
+    exact = flat_grad(model, inputs, 0)
+    hd.apply_division(model, hd.DivisionConfig(rounding=rounding))
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step():
+        for p in params:
+            p.grad.zero_()
+        model(**inputs).loss.backward()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        model(**inputs).loss.backward()  # the grads allocated, the kernels compiled, the generators made
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    step()
+    eager = torch.cat([p.grad.double().flatten() for p in params])
+    graph = torch.cuda.CUDAGraph()
+    for gen in generators(DEV):
+        graph.register_generator_state(gen)
+    with torch.cuda.graph(graph):
+        step()
+    replays = []
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        replays.append(torch.cat([p.grad.double().flatten() for p in params]))
+    if rounding == "nearest":
+        assert torch.equal(replays[0], eager) and torch.equal(replays[1], eager)
+    else:
+        assert not torch.equal(replays[0], replays[1])
+        assert min(cosine(exact, r) for r in replays) >= 0.98

@@ -112,7 +112,7 @@ def test_cuda_suite_smoke_on_cpu(tmp_path):
     out = tmp_path / "r.json"
     cuda.main(["--device", "cpu", "--shapes", "tiny", "--sizes", "2x48", "--rounds", "1", "--out", str(out)])
     arms = json.loads(out.read_text())["rows"][0]["arms"]
-    assert set(arms) == set(cuda.ARMS)
+    assert set(arms) == set(cuda.ARMS) - {"offload"}  # pinned host memory needs a device to offload from
     assert arms["division"]["held_mib"] < arms["none"]["held_mib"]
     assert arms["checkpointing"]["cosine"] > 0.9999 and 0.95 < arms["division"]["cosine"] < 1
     with pytest.raises(SystemExit):

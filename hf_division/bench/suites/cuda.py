@@ -1,7 +1,7 @@
-"""Decoder training on a GPU: bytes held, step peak, step time and gradient cosine, four arms.
+"""Decoder training on a GPU: bytes held, step peak, step time and gradient cosine, five arms.
 
 python -m hf_division.bench cuda [--shapes smollm2 llama-1b] [--sizes 8x1024 4x2048] [--autocast bf16]
-    [--rounds 5] [--compiled] [--budget-s 400] [--out results.json]
+    [--rounds 5] [--draws 3] [--quick] [--compiled] [--budget-s 400] [--out results.json]
 
 Llama-shaped causal LMs with random weights (the real checkpoints do not travel to a GPU machine
 here): ``smollm2`` (SmolLM2-135M's shape: hidden 576, 9 / 3 heads, intermediate 1536, 30 layers,
@@ -10,19 +10,24 @@ vocabulary 49152) and ``llama-1b`` (Llama-3.2-1B's: hidden 2048, 32 / 8 heads, i
 (labels = inputs), forward under ``--autocast`` (as the Trainer's ``--bf16``).
 
 Arms: ``none``; ``checkpointing`` (Transformers' activation checkpointing, non-reentrant);
-``division`` (the family defaults); ``division+checkpointing``. Per shape and size (``--sizes``
+``offload`` (checkpointing with the checkpoints in pinned host memory, Transformers'
+``activation_checkpointing_enable(offload=True)``; left out where Transformers lacks it);
+``division`` (the family defaults, the Triton kernels); ``division+checkpointing``. Per shape and size (``--sizes``
 pairs with ``--shapes`` in order): bytes held for backward after one training forward
 (:func:`~hf_division.analysis.measure.account`); the step peak above the memory before the step
 (``torch.cuda.max_memory_allocated``, after one warm step); the first step's seconds (kernel
 compilation); median warm step seconds, arms interleaved (:mod:`~hf_division.analysis.timing`); the float64
-gradient cosine to ``none``'s. ``--compiled``: the compressor's kernels through ``torch.compile``
-(the default everywhere else); without it they run eagerly, which needs no compilation.
+gradient cosine to ``none``'s, the minimum over ``--draws`` noise draws; the Triton launches per step.
+``--compiled``: where the Triton kernels do not apply (flat groups), the compressor's torch kernels
+through ``torch.compile``; without it they run eagerly, which needs no compilation. ``--quick``:
+one shape at its size, 3 rounds, 1 draw (under 3 minutes on an H200).
 ``--budget-s``: skip what is left once the run has taken this long. Results are written to
 ``--out`` after every measurement, so a run stopped early keeps what it measured.
 """
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 import time
@@ -31,14 +36,14 @@ import torch
 
 from hf_division.api import apply_division, remove_division
 from hf_division.analysis.fidelity import cosine, flat_grad
-from hf_division.kernels import configured
+from hf_division.kernels import configured, triton_codec
 from hf_division.analysis.measure import account
 from hf_division.bench.peak import step_peak
 from hf_division.bench.textdata import random_tokens
 from hf_division.analysis.timing import interleaved_medians, timed
 from hf_division.bench.suites.common import suite_parser
 
-ARMS = ("none", "checkpointing", "division", "division+checkpointing")
+ARMS = ("none", "checkpointing", "offload", "division", "division+checkpointing")
 
 #: Llama config fields of each shape (published configs of the two models)
 SHAPES = {
@@ -64,7 +69,9 @@ def build(shape: str, device: str, seed: int = 0):
 def set_arm(model, arm: str) -> None:
     """Put ``model`` in the state of ``arm`` (from any other arm)."""
     remove_division(model)
-    if "checkpointing" in arm:
+    if arm == "offload":
+        model.activation_checkpointing_enable(offload=True)
+    elif "checkpointing" in arm:
         model.activation_checkpointing_enable()
     else:
         model.activation_checkpointing_disable()
@@ -81,20 +88,32 @@ def step_fn(model, batch: dict, amp, device: str):
     return step
 
 
-def measure(model, batch: dict, amp, rounds: int, device: str) -> dict:
-    """Every figure of the module doc for the four arms on one batch."""
+def arms(model, device: str) -> tuple[str, ...]:
+    """The arms that apply: ``offload`` needs ``activation_checkpointing_enable(offload=)`` and a
+    device to offload from (pinned host memory)."""
+    takes = "offload" in inspect.signature(model.activation_checkpointing_enable).parameters and device != "cpu"
+    return tuple(a for a in ARMS if a != "offload" or takes)
+
+
+def measure(model, batch: dict, amp, rounds: int, device: str, draws: int = 1) -> dict:
+    """Every figure of the module doc for the arms on one batch."""
     model.train()
     step = step_fn(model, batch, amp, device)
-    out = {arm: {} for arm in ARMS}
-    grads = {}
-    for arm in ARMS:
+    names = arms(model, device)
+    out = {arm: {} for arm in names}
+    exact = None
+    for arm in names:
         set_arm(model, arm)
         out[arm]["first_step_s"] = timed(step, device)
         out[arm]["held_mib"] = account(model, batch, autocast=amp).total / 2**20
         out[arm]["peak_mib"] = step_peak(step, device)[0] / 2**20
-        grads[arm] = flat_grad(model, batch, 0, amp, reseed_noise=True)
-        out[arm]["cosine"] = cosine(grads["none"], grads[arm])
-        grads[arm] = grads[arm] if arm == "none" else None
+        before = triton_codec.launches()
+        step()
+        out[arm]["triton_launches"] = triton_codec.launches() - before
+        if arm == "none":
+            exact = flat_grad(model, batch, 0, amp)
+        out[arm]["cosine"] = min(cosine(exact, flat_grad(model, batch, 0, amp, noise_seed=1000 + d))
+                                 for d in range(draws if "division" in arm else 1))
     state = {"arm": None}
 
     def seconds(arm):
@@ -103,7 +122,7 @@ def measure(model, batch: dict, amp, rounds: int, device: str) -> dict:
             state["arm"] = arm
         return timed(step, device)
 
-    for arm, s in interleaved_medians(list(ARMS), seconds, rounds).items():
+    for arm, s in interleaved_medians(list(names), seconds, rounds).items():
         out[arm]["step_s"] = s
     set_arm(model, "none")
     return out
@@ -111,12 +130,12 @@ def measure(model, batch: dict, amp, rounds: int, device: str) -> dict:
 
 def report(shape: str, size: tuple, res: dict) -> str:
     base = res["none"]
-    lines = [f"{shape} {size[0]}x{size[1]}: arm | held MiB | peak MiB | first step s | step s (x none) | cosine"]
-    for arm in ARMS:
-        r = res[arm]
+    lines = [f"{shape} {size[0]}x{size[1]}: arm | held MiB (fewer) | peak MiB | first step s | step s (x none) | "
+             f"cosine (min) | triton launches"]
+    for arm, r in res.items():
         lines.append(f"  {arm:24s} {r['held_mib']:9.0f} ({base['held_mib'] / r['held_mib']:.1f}x) "
                      f"{r['peak_mib']:9.0f} {r['first_step_s']:7.2f} {r['step_s']:.4f} "
-                     f"({r['step_s'] / base['step_s']:.2f}x) {r['cosine']:.5f}")
+                     f"({r['step_s'] / base['step_s']:.2f}x) {r['cosine']:.5f} {r['triton_launches']}")
     return "\n".join(lines)
 
 
@@ -134,6 +153,8 @@ def main(argv=None):
     ap.add_argument("--sizes", nargs="+", type=parse_size, default=[(8, 1024), (4, 2048)])
     ap.add_argument("--autocast", default="bf16", choices=list(_AUTOCAST))
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--draws", type=int, default=3, help="noise draws of division's cosine (the minimum is reported)")
+    ap.add_argument("--quick", action="store_true", help="the first shape only, 3 rounds, 1 draw")
     ap.add_argument("--compiled", action="store_true", help="compressor kernels through torch.compile")
     ap.add_argument("--budget-s", type=float, default=float("inf"))
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: the test's smoke run
@@ -141,6 +162,8 @@ def main(argv=None):
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     if len(args.sizes) != len(args.shapes):
         ap.error(f"--sizes: one per shape ({len(args.shapes)}), got {len(args.sizes)}")
+    if args.quick:
+        args.shapes, args.sizes, args.rounds, args.draws = args.shapes[:1], args.sizes[:1], 3, 1
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("hf-division cuda suite: no CUDA device")
     with configured(compile=args.compiled):
@@ -150,6 +173,7 @@ def main(argv=None):
 def run(args, argv) -> list[dict]:
     start, rows = time.perf_counter(), []
     meta = {"argv": argv, "torch": torch.__version__, "compiled": args.compiled,
+            "triton": getattr(triton_codec.triton, "__version__", None),
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
     for shape, size in zip(args.shapes, args.sizes):
         if time.perf_counter() - start > args.budget_s:
@@ -158,7 +182,7 @@ def run(args, argv) -> list[dict]:
         model = build(shape, args.device)
         batch = {k: v.to(args.device) for k, v in random_tokens(model.config.vocab_size, *size, seed=0).items()}
         batch["labels"] = batch["input_ids"]
-        res = measure(model, batch, _AUTOCAST[args.autocast], args.rounds, args.device)
+        res = measure(model, batch, _AUTOCAST[args.autocast], args.rounds, args.device, args.draws)
         rows.append({"shape": shape, "batch": size[0], "seq": size[1], "arms": res})
         print(report(shape, size, res), flush=True)
         if args.out:
