@@ -27,6 +27,7 @@ from hf_division.compress.backends import Backend, pick
 from hf_division.quant.exact_tokens import outlier_tokens, split_leading, split_outliers, split_static, zero_rows
 from hf_division.quant.packed import FLAT, GROUPINGS, TOKENS, Layout, Packed, token_group
 from hf_division.compress.noise import tensor_seed
+from hf_division.kernels.triton_codec import device_path
 from hf_division.quant.rounding import noise_seed
 
 __all__ = ["Layout", "Packed", "cast_finite", "compress", "compress_row_scaled", "decompress"]
@@ -61,8 +62,9 @@ def compress(
     ``static_rows``: split the exact tokens (outliers, ``exact_tokens``) at a fixed capacity, with
     no host synchronisation: every outlier candidate's row is held, a mask says which are exact
     (:func:`~hf_division.quant.exact_tokens.outlier_candidates`). The rebuilt tensor is the same; the
-    rows cost up to ``1/64`` of the tokens in ``x``'s dtype. None: on every device but the CPU,
-    where a readback costs nothing, and wherever the Triton kernels run (docs/DESIGN.md, "Compressor").
+    rows cost up to ``1/64`` of the tokens in ``x``'s dtype. None: on the GPU's path
+    (:func:`~hf_division.kernels.triton_codec.device_path`: every device but the CPU, where a
+    readback costs nothing) (docs/DESIGN.md, "Compressor").
     """
     if bits == 0:
         return Packed.kept(x, block_size, group_size)
@@ -77,15 +79,14 @@ def compress(
     block = max(1, min(block_size, x3.shape[1])) if by_tokens else 1  # a row shorter than a block is one block
     if not by_tokens:  # ActNN's flat groups, after any exact rows are split off
         backend = pick(x.device, FLAT, None)
-        static = x.device.type != "cpu" if static_rows is None else static_rows
-        seed = tensor_seed(x.device, generator, blocks=x.device.type != "cpu") if stochastic else None
+        static = device_path(x.device) if static_rows is None else static_rows
+        seed = tensor_seed(x.device, generator, blocks=device_path(x.device)) if stochastic else None
         x3, exact = _split_exact(x3.float(), ratio, 0, static, x.dtype, backend)
         return _no_larger(_encode_flat(backend, x, x3, layout, seed, bits, group_size, exact), x)
     backend = pick(x.device, TOKENS, lfc_dtype if block > 1 else None)
     x3 = x3 if backend.any_dtype else x3.float()
-    device_path = x.device.type != "cpu" or backend.whole  # no readback: the GPU's way, wherever it runs
-    static = device_path if static_rows is None else static_rows
-    seed = tensor_seed(x.device, generator, blocks=device_path) if stochastic else None
+    static = device_path(x.device) if static_rows is None else static_rows
+    seed = tensor_seed(x.device, generator, blocks=device_path(x.device)) if stochastic else None
     group = token_group(group_size, block, bits)
     # 2. the exact tokens, split off once; 3. one encode
     if ratio > 0 and not static and not lead and backend.scores_in_encode:

@@ -48,11 +48,11 @@ def available() -> bool:
 
 
 def applies(device: torch.device) -> bool:
-    """Whether the compressor uses these kernels for token groups on ``device``: a CUDA device with
-    the ``triton`` switch on, or the CPU inside :func:`on_cpu`."""
-    if device.type == "cuda":
-        return triton is not None and switches().triton
-    return device.type == "cpu" and _cpu["on"]
+    """Whether the compressor uses these kernels for token groups on ``device`` (the ``triton``
+    switch on): a CUDA device, or the CPU inside :func:`on_cpu`."""
+    if not (triton is not None and switches().triton):
+        return False
+    return device.type == "cuda" or (device.type == "cpu" and _cpu["on"])
 
 
 def device_path(device: torch.device) -> bool:
@@ -97,7 +97,7 @@ _KERNELS = None
 
 
 # ----------------------------------------------------------------------------- launchers
-_launching = {"depth": 0}
+_launching = {"depth": 0, "skip": False}
 
 
 def launching() -> bool:
@@ -105,8 +105,21 @@ def launching() -> bool:
     return _launching["depth"] > 0
 
 
+@contextlib.contextmanager
+def not_run():
+    """Inside, launches are counted but not run: what the host spends around the kernels, timed
+    alone (the ``launches`` suite). The outputs are left unwritten."""
+    before, _launching["skip"] = _launching["skip"], True
+    try:
+        yield
+    finally:
+        _launching["skip"] = before
+
+
 def _launch(name: str, grid: tuple, *args, **meta) -> None:
     _counts["launches"] += 1
+    if _launching["skip"]:
+        return
     _launching["depth"] += 1
     try:
         getattr(_kernels(), name + "_kernel")[grid](*args, **meta, **_OPTIONS.get(name, {}))

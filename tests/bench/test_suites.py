@@ -204,3 +204,22 @@ def test_attention_backward_suite_times_arms_it_checked(extra, capsys, monkeypat
     monkeypatch.setattr(sdpa_backward, "sdpa_grads", lambda *a: [g * 1.001 for g in real(*a)])
     with pytest.raises(AssertionError, match="division 128:32: dq differs"):
         attention_backward.main(argv + extra)
+
+
+def test_launches_suite_counts_the_gpu_path(tmp_path):
+    # one layer of the tiny shape, as on a GPU (the Triton kernels interpreted): division launches
+    # a few times fewer kernels than through the torch kernels, and reads nothing back
+    import os
+
+    from hf_division.bench.suites import launches
+    from hf_division.kernels import triton_codec
+
+    if not triton_codec.available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs Triton under its interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without CUDA)")
+    out = tmp_path / "l.json"
+    launches.main(["--shape", "tiny", "--layers", "1", "--size", "2x64", "--host-tokens", "512", "--out", str(out)])
+    arms = json.loads(out.read_text())["arms"]
+    total = {arm: r["torch"] + r["triton"] for arm, r in arms.items()}
+    assert arms["division"]["triton"] > 0 and arms["division-torch"]["triton"] == 0
+    assert total["none"] < total["division"] < total["division-torch"] / 3
+    assert not arms["division"]["readbacks"] and not arms["none"]["readbacks"]

@@ -24,6 +24,7 @@ SUITES = {
     "trl-sft": ".sft",
     "long-context": ".long_context",
     "cuda": ".cuda",
+    "launches": ".launches",
     "architectures": ".architectures",
     "budget": ".budget",
     "attention-backward": ".attention_backward",

@@ -57,12 +57,15 @@ SHAPES = {
 _AUTOCAST = {"none": None, "bf16": torch.bfloat16}
 
 
-def build(shape: str, device: str, seed: int = 0):
-    """A random-init ``LlamaForCausalLM`` of ``shape`` (tied embeddings, sdpa) on ``device``."""
+def build(shape: str, device: str, seed: int = 0, layers: int | None = None, vocab_size: int | None = None):
+    """A random-init ``LlamaForCausalLM`` of ``shape`` (tied embeddings, sdpa) on ``device``;
+    ``layers``, ``vocab_size``: another depth or vocabulary than the shape's."""
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(**SHAPES[shape], tie_word_embeddings=True, max_position_embeddings=8192)
+    fields = dict(SHAPES[shape])
+    fields.update({k: v for k, v in (("num_hidden_layers", layers), ("vocab_size", vocab_size)) if v is not None})
+    config = transformers.LlamaConfig(**fields, tie_word_embeddings=True, max_position_embeddings=8192)
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device)
 
 
