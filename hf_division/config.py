@@ -145,6 +145,10 @@ class DivisionConfig:
             "they are: a few bytes per token, and lora_B's gradient sums them against the output gradient with heavy "
             "cancellation, so their quantization noise dominated it (docs/DESIGN.md, \"Policy\"); 0: compress them too.")
     norm_row_scale: bool = _field(True, "Norm inputs: divide each token by its RMS (kept exact) before compressing.")
+    checkpoint_bits: int = _field(
+        8, "HFC bits of a checkpointed layer's inputs (division with activation checkpointing): backward recomputes "
+           "the whole layer from them, so their error reaches every tensor of the layer (docs/DESIGN.md, \"Policy\"); "
+           "never fewer than norm_bits; 0: kept as they are.")
     outlier_ratio: float | None = _field(
         None, "Keep tokens exact whose max |x| exceeds this many times the median token's; 0: off; unset: family default.")
     dropout_bits: bool = _field(True, "Store dropout masks as 1 bit per element.")
@@ -182,10 +186,10 @@ class DivisionConfig:
         ratio = self.outlier_ratio
         if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not (ratio == 0 or ratio > 1)):
             raise ValueError(f"DivisionConfig.outlier_ratio must be 0 (off) or a number > 1, got {self.outlier_ratio!r}")
-        for kind in KINDS:
-            bits = getattr(self, f"{kind}_bits")
+        for name in (*(f"{kind}_bits" for kind in KINDS), "checkpoint_bits"):
+            bits = getattr(self, name)
             if bits is not None and (not isinstance(bits, int) or isinstance(bits, bool) or bits not in (0, 1, 2, 4, 8)):
-                raise ValueError(f"DivisionConfig.{kind}_bits must be 0, 1, 2, 4, 8 or None, got {bits!r}")
+                raise ValueError(f"DivisionConfig.{name} must be 0, 1, 2, 4, 8 or None, got {bits!r}")
         exact = self.exact_tokens
         if exact is not None and (isinstance(exact, bool) or not isinstance(exact, int) or exact < 0):
             raise ValueError(f"DivisionConfig.exact_tokens must be a non-negative integer, got {exact!r}")
@@ -265,6 +269,17 @@ class DivisionConfig:
             return self
         out = copy.copy(self)
         out._resolved = resolved
+        return out
+
+    def for_checkpoint(self) -> "DivisionConfig":
+        """This config as a checkpointed layer's inputs see it: their kind (``norm``, the residual
+        stream) at ``checkpoint_bits`` where that is more precise; kept exact where either is 0."""
+        norm = self.bits("norm")
+        bits = max(norm, self.checkpoint_bits) if norm and self.checkpoint_bits else 0
+        if bits == norm:
+            return self
+        out = copy.copy(self)
+        out._resolved = {**self._resolved, "norm": bits}
         return out
 
     def compressor_args(self, kind: str) -> dict:

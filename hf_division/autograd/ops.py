@@ -287,7 +287,8 @@ class AttentionFn(torch.autograd.Function):
 
 class CheckpointFn(torch.autograd.Function):
     """Checkpoint a layer ``run(*args)`` keeping its tensor inputs compressed (policy of the
-    residual stream, ``norm``) and the RNG state; backward rebuilds the inputs, re-runs the layer
+    residual stream, ``norm``, at ``checkpoint_bits`` at least: :meth:`DivisionConfig.for_checkpoint`)
+    and the RNG state; backward rebuilds the inputs, re-runs the layer
     with the same dropout draws under autograd (nothing compressed: it is consumed at once) and
     backpropagates. Like reentrant checkpointing, gradients flow to positional tensor inputs."""
 
@@ -296,7 +297,8 @@ class CheckpointFn(torch.autograd.Function):
         ctx.run, ctx.rng = run, RngState(args)
         # only activations (tensors needing a gradient) are compressed: a float additive attention
         # mask (BERT eager passes it positionally) must stay exact, its -inf/-max entries would be lost
-        ctx.args = [keep(a, "norm", config) if isinstance(a, torch.Tensor) and a.is_floating_point()
+        boundary = config.for_checkpoint()
+        ctx.args = [keep(a, "norm", boundary) if isinstance(a, torch.Tensor) and a.is_floating_point()
                     and a.requires_grad else a for a in args]
         account_tensors([a for a in ctx.args if isinstance(a, torch.Tensor)] + ctx.rng.tensors(), "norm")
         ctx.amp = autocast_state()
