@@ -31,8 +31,13 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 LFC = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+#: the reference path of the pipeline: the torch kernels, eager (the Triton kernels off)
+REFERENCE = dict(triton=False, native=False, compile=False)
+
+
 @pytest.fixture(autouse=True)
 def _triton_path():
+    """Every test on the Triton path, CPU tensors included; references under :data:`REFERENCE`."""
     with tc.on_cpu():
         yield
 
@@ -79,14 +84,13 @@ def test_any_strides_read_in_place():
     """A per-head tensor ``(B, H, T, d)`` stored as ``(B, T, H, d)``: the kernel reads its
     ``(B, T, H*d)`` view with its strides, and a transposed view with its own."""
     x = _tokens(2, 40, 48, torch.bfloat16).view(2, 40, 3, 16).transpose(1, 2)  # (B, H, T, d), not contiguous
-    with configured(native=False, compile=False):
-        with tc.on_cpu():
-            p = compress(x, bits=4, block_size=8, group_size=32, stochastic=False)
+    p = compress(x, bits=4, block_size=8, group_size=32, stochastic=False)
+    with configured(**REFERENCE):
         ref = compress(x, bits=4, block_size=8, group_size=32, stochastic=False)
+        want = decompress(ref)
     assert torch.equal(p.packed, ref.packed) and torch.equal(p.lfc.float(), ref.lfc.float())
-    with tc.on_cpu():
-        y = decompress(p)
-    assert y.shape == x.shape and y.dtype == x.dtype and torch.equal(y, decompress(ref))
+    y = decompress(p)
+    assert y.shape == x.shape and y.dtype == x.dtype and torch.equal(y, want)
     z = _tokens(1, 64, 24).transpose(1, 2)  # channels-major: the token axis has stride 1
     out = tc.encode_tokens(z.transpose(1, 2), _seed(7), 4, 8, 32, torch.bfloat16)
     ref = EAGER.encode_tokens(z.transpose(1, 2).contiguous(), _seed(7), 4, 8, 32, torch.bfloat16)
@@ -100,11 +104,9 @@ def test_rebuild_equals_the_reference_to_the_bit(dtype, bits):
     if dtype == torch.float16:
         x[0, 3, :4] = 65504.0  # at the edge of fp16's range: the rebuild is clamped, not inf
     kw = dict(bits=bits, block_size=8, group_size=64, outlier_ratio=0.0, stochastic=False)
-    with configured(native=False, compile=False):
+    with configured(**REFERENCE):
         ref = decompress(compress(x, **kw))
-        with tc.on_cpu():
-            p = compress(x, **kw)
-            got = decompress(p)
+    got = decompress(compress(x, **kw))
     assert got.dtype == dtype and torch.isfinite(got).all()
     assert torch.equal(got, ref)
 
@@ -131,12 +133,11 @@ def test_exact_tokens_chosen_as_the_reference_chooses_them():
     x[0, 5] *= 100
     x[1, 17, 3] = 500
     kw = dict(bits=4, block_size=8, group_size=64, outlier_ratio=16.0, static_rows=True, stochastic=False)
-    with configured(native=False, compile=False):
+    with configured(**REFERENCE):
         ref = compress(x, **kw)
-        with tc.on_cpu():
-            p = compress(x, **kw)
-            got = decompress(p)
         want = decompress(ref)
+    p = compress(x, **kw)
+    got = decompress(p)
     assert sorted(p.row_index[p.row_keep].tolist()) == sorted(ref.row_index[ref.row_keep].tolist()) == [5, 217]
     assert p.nbytes == ref.nbytes and torch.equal(p.packed, ref.packed)
     assert torch.equal(got, want) and torch.equal(got[0, 5], x[0, 5])
@@ -234,11 +235,13 @@ def test_a_training_step_through_the_kernels_matches_the_torch_path(amp):
     exact = flat_grad(model, batch, 0, amp)
     hd.apply_division(model, hd.DivisionConfig(rounding="nearest"))
     with configured(**GPU_SWITCHES):
-        torch_path = flat_grad(model, batch, 0, amp)
-        with tc.on_cpu():
+        before = tc.launches()
+        triton_path = flat_grad(model, batch, 0, amp)
+        assert tc.launches() - before >= 40  # every saved tensor went through the kernels
+        with configured(triton=False):
             before = tc.launches()
-            triton_path = flat_grad(model, batch, 0, amp)
-            assert tc.launches() - before >= 40  # every saved tensor went through the kernels
+            torch_path = flat_grad(model, batch, 0, amp)
+            assert tc.launches() == before
     assert torch.equal(triton_path, torch_path)
     assert cosine(exact, triton_path) > 0.99
 
