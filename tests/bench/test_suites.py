@@ -231,3 +231,24 @@ def test_launches_suite_counts_the_gpu_path(tmp_path):
     assert arms["division"]["triton"] > 0 and arms["division-torch"]["triton"] == 0
     assert total["none"] < total["division"] < total["division-torch"] / 3
     assert not arms["division"]["readbacks"] and not arms["none"]["readbacks"]
+
+
+def test_suites_run_their_children_through_an_existing_module(monkeypatch, tmp_path):
+    # long-context and memory --rss rerun themselves in a fresh interpreter: the module they name
+    # must run the suite (it once named a package without a __main__, and long-context failed)
+    import subprocess
+    import sys
+
+    from hf_division.bench.suites import long_context
+
+    calls = []
+    monkeypatch.setattr(long_context, "run_clean", lambda args, what: calls.append(args) or [])
+    monkeypatch.setattr(long_context, "report", lambda *a: None)
+    long_context.main(["--tsv", str(tmp_path / "x.tsv"), "--lengths", "128", "--dtypes", "fp32"])
+    (args,) = calls
+    assert args[:4] == ["-m", "hf_division.bench", "long-context", "--child"]
+    done = subprocess.run([sys.executable, *args[:3], "--help"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "--lengths" in done.stdout, done.stderr[-2000:]
+    from hf_division.bench.suites import memory
+
+    assert '"-m", "hf_division.bench", "memory"' in open(memory.__file__).read()

@@ -118,7 +118,7 @@ def main(argv=None):
     if args.child:  # a fresh interpreter with glibc's mmap settings: every configuration forked from it
         print(json.dumps(forked(measure, items)))
         return
-    rows = run_clean(["-m", "hf_division.bench.suites", "long-context", "--child", *argv], "long-context")
+    rows = run_clean(["-m", "hf_division.bench", "long-context", "--child", *argv], "long-context")
     report(rows, args, argv)
 
 

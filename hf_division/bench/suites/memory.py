@@ -87,6 +87,6 @@ def main(argv=None):
     print(f"batch {args.batch} x {args.seq} tokens, attn {args.attn}, {dc}")
     print(report.table())
     if args.rss:
-        held = run_clean(["-m", "hf_division.bench.suites", "memory", "--rss-child", *argv], "--rss")
+        held = run_clean(["-m", "hf_division.bench", "memory", "--rss-child", *argv], "--rss")
         print(f"process memory held after forward (RSS growth): baseline {held['baseline'] / 2**20:.1f} MiB, "
               f"division {held['division'] / 2**20:.1f} MiB, ratio {held['baseline'] / max(held['division'], 1):.1f}x")
