@@ -213,11 +213,11 @@ def test_kernels_compile_for_an_h200():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = ("from hf_division.kernels.triton_codec import compile_all\n"
             "ptx = compile_all(90)\n"
-            "print(sorted(ptx), [name for name in ('encode', 'decode') if 'fma.rn.f32' in ptx[name]])")
+            "print(len(ptx), [v for v, p in ptx.items() if v.startswith(('encode', 'decode')) and 'fma.rn.f32' in p])")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == "['decode', 'encode', 'put_rows', 'score', 'select'] []"
+    assert out.stdout.strip().splitlines()[-1] == f"{len(tc.COMPILED_VARIANTS)} []"
 
 
 @pytest.mark.parametrize("amp", [None, torch.bfloat16])

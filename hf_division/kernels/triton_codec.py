@@ -238,35 +238,63 @@ def exact_tokens(x3: torch.Tensor, ratio: float) -> dict:
 
 
 def compile_all(arch: int = 90) -> dict:
-    """Compile every kernel for CUDA compute capability ``arch`` (90: H100/H200) without a GPU, at the
-    shapes the defaults give (bf16 tokens, 4-bit groups of 256 tokens, an LFC of 16-token blocks):
-    ``{kernel: its PTX}``. What the interpreter cannot check (types, layouts, register allocation);
-    raises what a GPU's first launch would. Run in a process without ``TRITON_INTERPRET``."""
+    """Compile every kernel for CUDA compute capability ``arch`` (90: H100/H200) without a GPU, in
+    the variants the defaults and the other settings give (:data:`COMPILED_VARIANTS`): ``{variant:
+    its PTX}``. What the interpreter cannot check (types, layouts, register allocation); raises
+    what a GPU's first launch would. Run in a process without ``TRITON_INTERPRET``."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     kernels = _kernels(compile_only=True)
-    groups = dict(BITS=4, BLOCK=16, GROUP=256, BC=64, R_FULL=32, FULL32=True, LAST32=False, RT_FULL=32, RT_LAST=128)
-    cases = {
-        "encode": ({"x_ptr": "*bf16", "seed_ptr": "*i64", "slot_ptr": "*i32", "rows_ptr": "*bf16", "full_ptr": "*i32",
-                    "last_ptr": "*u8", "lfc_ptr": "*bf16", "lo_ptr": "*bf16", "scale_ptr": "*bf16"},
-                   dict(groups, NBT=16, LFC=1, HAS_SEED=True, HAS_SLOT=True)),
-        "decode": ({"out_ptr": "*bf16", "full_ptr": "*i32", "last_ptr": "*u8", "lfc_ptr": "*bf16", "lo_ptr": "*bf16",
-                    "scale_ptr": "*bf16", "top": "fp32"}, dict(groups, HAS_LFC=True, CLAMP=True, OUT_BF16=True)),
-        "put_rows": ({"out_ptr": "*bf16", "rows_ptr": "*bf16", "index_ptr": "*i64", "keep_ptr": "*i8"},
-                     dict(HAS_KEEP=True, BC=64)),
-        "score": ({"x_ptr": "*bf16", "score_ptr": "*fp32", "index_ptr": "*i64", "keep_ptr": "*i8", "count_ptr": "*i32"},
-                  dict(BT=64, BC=32)),
-        "select": ({"score_ptr": "*fp32", "slot_ptr": "*i32", "index_ptr": "*i64", "keep_ptr": "*i8",
-                    "count_ptr": "*i32", "ratio": "fp32"}, dict(SAMPLE=SAMPLE, BT=1024)),
-    }
     out = {}
-    for name, (types, constants) in cases.items():
+    for variant, (name, types, constants) in COMPILED_VARIANTS.items():
         fn = getattr(kernels, name + "_kernel")
         signature = {a: "constexpr" if a in constants else types.get(a, "i32") for a in fn.arg_names}
         src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
-        out[name] = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=_OPTIONS.get(name, {})).asm["ptx"]
+        out[variant] = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=_OPTIONS.get(name, {})).asm["ptx"]
     return out
+
+
+def _encode_types(x: str, lfc: str) -> dict:
+    return {"x_ptr": x, "seed_ptr": "*i64", "slot_ptr": "*i32", "rows_ptr": x, "full_ptr": "*i32", "last_ptr": "*u8",
+            "lfc_ptr": lfc, "lo_ptr": "*bf16", "scale_ptr": "*bf16"}
+
+
+def _decode_types(out: str, lfc: str) -> dict:
+    return {"out_ptr": out, "full_ptr": "*i32", "last_ptr": "*u8", "lfc_ptr": lfc, "lo_ptr": "*bf16",
+            "scale_ptr": "*bf16", "top": "fp32"}
+
+
+#: the defaults' 4-bit groups of 256 tokens with an LFC of 16-token blocks, a ragged last group
+_G4 = dict(BITS=4, BLOCK=16, GROUP=256, BC=64, R_FULL=32, FULL32=True, LAST32=False, RT_FULL=32, RT_LAST=128)
+#: gated decoders' activation inputs: 32-token groups, no LFC, at 8 bits
+_G8 = dict(BITS=8, BLOCK=1, GROUP=32, BC=64, R_FULL=8, FULL32=True, LAST32=False, RT_FULL=8, RT_LAST=32)
+#: 1 and 2 bits, whole last groups
+_G1 = dict(BITS=1, BLOCK=16, GROUP=256, BC=64, R_FULL=8, FULL32=True, LAST32=True, RT_FULL=8, RT_LAST=8)
+_G2 = dict(BITS=2, BLOCK=8, GROUP=256, BC=64, R_FULL=16, FULL32=True, LAST32=True, RT_FULL=16, RT_LAST=16)
+
+#: variant -> (kernel, argument types, constants): what :func:`compile_all` compiles
+COMPILED_VARIANTS = {
+    "encode": ("encode", _encode_types("*bf16", "*bf16"), dict(_G4, NBT=16, LFC=1, HAS_SEED=True, HAS_SLOT=True)),
+    "encode 8-bit no LFC fp32": ("encode", _encode_types("*fp32", "*bf16"),
+                                 dict(_G8, NBT=32, LFC=0, HAS_SEED=True, HAS_SLOT=False)),
+    "encode 2-bit fp16 LFC nearest": ("encode", _encode_types("*fp16", "*fp16"),
+                                      dict(_G2, NBT=32, LFC=2, HAS_SEED=False, HAS_SLOT=True)),
+    "encode 1-bit fp32 LFC": ("encode", _encode_types("*fp32", "*fp32"),
+                              dict(_G1, NBT=16, LFC=3, HAS_SEED=True, HAS_SLOT=False)),
+    "decode": ("decode", _decode_types("*bf16", "*bf16"), dict(_G4, HAS_LFC=True, CLAMP=True, OUT_BF16=True)),
+    "decode 8-bit no LFC fp32": ("decode", _decode_types("*fp32", "*bf16"),
+                                 dict(_G8, HAS_LFC=False, CLAMP=False, OUT_BF16=False)),
+    "decode 2-bit fp16": ("decode", _decode_types("*fp16", "*fp16"), dict(_G2, HAS_LFC=True, CLAMP=True, OUT_BF16=False)),
+    "put_rows": ("put_rows", {"out_ptr": "*bf16", "rows_ptr": "*bf16", "index_ptr": "*i64", "keep_ptr": "*i8"},
+                 dict(HAS_KEEP=True, BC=64)),
+    "put_rows all kept": ("put_rows", {"out_ptr": "*fp32", "rows_ptr": "*fp32", "index_ptr": "*i64", "keep_ptr": "*i64"},
+                          dict(HAS_KEEP=False, BC=64)),
+    "score": ("score", {"x_ptr": "*bf16", "score_ptr": "*fp32", "index_ptr": "*i64", "keep_ptr": "*i8",
+                        "count_ptr": "*i32"}, dict(BT=64, BC=32)),
+    "select": ("select", {"score_ptr": "*fp32", "slot_ptr": "*i32", "index_ptr": "*i64", "keep_ptr": "*i8",
+                          "count_ptr": "*i32", "ratio": "fp32"}, dict(SAMPLE=SAMPLE, BT=1024)),
+}
 
 
 #: per kernel launch options: no multiply-add fusion where the reference rounds each product
