@@ -33,8 +33,10 @@ def test_every_suite_has_a_main(name):
 def _fresh_torch_seed():
     """The suites restart the rounding noise only where their first seed differs from torch's
     current one (docs/DESIGN.md, "Bit-identical forward"): a test run before in the same process
-    could have left torch at a seed a suite starts from. A seed no test uses makes each restart."""
+    could have left torch, and the noise streams following it, at a seed a suite starts from. A
+    seed no test uses, followed by the noise, makes each restart."""
     torch.manual_seed(12345)
+    reseed(12345)
 
 
 def test_command_line_dispatch(capsys):
