@@ -26,7 +26,7 @@ DEFAULTS = {"linear_bits": 4, "attention_bits": 4, "activation_bits": 4, "norm_b
 DEFAULT_BITS = {kind: DEFAULTS[f"{kind}_bits"] for kind in KINDS}
 #: Kinds whose HFC group and LFC block can differ from ``group_size`` / ``block_size``
 #: (``<kind>_group_size``, ``<kind>_block_size``; docs/DESIGN.md, "Policy").
-PER_KIND_LAYOUT = ("attention", "activation")
+PER_KIND_LAYOUT = ("linear", "attention", "activation")
 DEFAULTS.update({f"{kind}_{what}": None for kind in PER_KIND_LAYOUT for what in ("group_size", "block_size")})
 DEFAULTS["early_layers"] = 0.0
 DEFAULTS["block_size"] = 16
@@ -131,10 +131,14 @@ class DivisionConfig:
     attention_bits: int | None = _field(None, "HFC bits for the q/k/v kept by attention (0: keep; unset: family default).")
     activation_bits: int | None = _field(None, "HFC bits for inputs of activation functions (0: keep; unset: family default).")
     norm_bits: int | None = _field(None, "HFC bits for inputs of LayerNorm/RMSNorm (0: keep; unset: family default).")
+    linear_group_size: int | None = _field(
+        None, "Tokens per min/scale group for the linear kind (a multiple of 8); unset: family default, else group_size.")
     attention_group_size: int | None = _field(
         None, "Tokens per min/scale group for the attention kind (a multiple of 8); unset: family default, else group_size.")
     activation_group_size: int | None = _field(
         None, "Tokens per min/scale group for the activation kind (a multiple of 8); unset: family default, else group_size.")
+    linear_block_size: int | None = _field(
+        None, "LFC block for the linear kind (1: no LFC); unset: family default, else block_size.")
     attention_block_size: int | None = _field(
         None, "LFC block for the attention kind (1: no LFC); unset: family default, else block_size.")
     activation_block_size: int | None = _field(

@@ -3,6 +3,7 @@
 # side-by-side table, each under its own time limit, logs and JSON under $OUT (default ./gpu_out).
 #   bash scripts/gpu_session.sh            # about 10 minutes on an H200
 #   QUICK=1 bash scripts/gpu_session.sh    # the suite's --quick: about 4 minutes
+#   SET='{"linear_group_size": 32, "linear_block_size": 1}' bash scripts/gpu_session.sh   # division's config
 # Runs from the checkout (PYTHONPATH=.); needs torch with CUDA, Triton, Transformers, peft.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +20,7 @@ timeout 150 python -m pytest -q -x tests/test_cuda.py 2>&1 | tail -25 | tee "$OU
 # 2. the table: five arms at the SmolLM2 and Llama-1B shapes (--quick: SmolLM2 only)
 ARGS=(--out "$OUT/cuda.json" --budget-s 330)
 [ "${QUICK:-0}" = 1 ] && ARGS+=(--quick)
+[ -n "${SET:-}" ] && ARGS+=(--set "$SET")
 timeout 420 python -m hf_division.bench cuda "${ARGS[@]}" 2>&1 | grep -v "^\[transformers\]" | tee "$OUT/cuda.txt"
 # 3. the kernels' own tests on CUDA tensors, as time allows
 timeout 90 python -m pytest -q tests/test_triton.py -k "not compile_for_an_h200 and not training_step" 2>&1 | tail -5 \

@@ -1,7 +1,7 @@
 """Decoder training on a GPU: bytes held, step peak, step time and gradient cosine, five arms.
 
 python -m hf_division.bench cuda [--shapes smollm2 llama-1b] [--sizes 8x1024 4x2048] [--autocast bf16]
-    [--rounds 5] [--draws 3] [--quick] [--compiled] [--budget-s 400] [--out results.json]
+    [--rounds 5] [--draws 3] [--quick] [--set JSON] [--compiled] [--budget-s 400] [--out results.json]
 
 Llama-shaped causal LMs with random weights (the real checkpoints do not travel to a GPU machine
 here): ``smollm2`` (SmolLM2-135M's shape: hidden 576, 9 / 3 heads, intermediate 1536, 30 layers,
@@ -35,6 +35,7 @@ import time
 import torch
 
 from hf_division.api import apply_division, remove_division
+from hf_division.config import DivisionConfig
 from hf_division.analysis.fidelity import cosine, flat_grad
 from hf_division.kernels import configured, triton_codec
 from hf_division.analysis.measure import account
@@ -69,8 +70,8 @@ def build(shape: str, device: str, seed: int = 0, layers: int | None = None, voc
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device)
 
 
-def set_arm(model, arm: str) -> None:
-    """Put ``model`` in the state of ``arm`` (from any other arm)."""
+def set_arm(model, arm: str, config: DivisionConfig | None = None) -> None:
+    """Put ``model`` in the state of ``arm`` (from any other arm); ``config``: division's."""
     remove_division(model)
     if arm == "offload":
         model.activation_checkpointing_enable(offload=True)
@@ -79,7 +80,7 @@ def set_arm(model, arm: str) -> None:
     else:
         model.activation_checkpointing_disable()
     if "division" in arm:
-        apply_division(model)
+        apply_division(model, config)
 
 
 def step_fn(model, batch: dict, amp, device: str):
@@ -98,7 +99,8 @@ def arms(model, device: str) -> tuple[str, ...]:
     return tuple(a for a in ARMS if a != "offload" or takes)
 
 
-def measure(model, batch: dict, amp, rounds: int, device: str, draws: int = 1) -> dict:
+def measure(model, batch: dict, amp, rounds: int, device: str, draws: int = 1,
+            config: DivisionConfig | None = None) -> dict:
     """Every figure of the module doc for the arms on one batch."""
     model.train()
     step = step_fn(model, batch, amp, device)
@@ -106,7 +108,7 @@ def measure(model, batch: dict, amp, rounds: int, device: str, draws: int = 1) -
     out = {arm: {} for arm in names}
     exact = None
     for arm in names:
-        set_arm(model, arm)
+        set_arm(model, arm, config)
         out[arm]["first_step_s"] = timed(step, device)
         out[arm]["held_mib"] = account(model, batch, autocast=amp).total / 2**20
         out[arm]["peak_mib"] = step_peak(step, device)[0] / 2**20
@@ -121,7 +123,7 @@ def measure(model, batch: dict, amp, rounds: int, device: str, draws: int = 1) -
 
     def seconds(arm):
         if state["arm"] != arm:
-            set_arm(model, arm)
+            set_arm(model, arm, config)
             state["arm"] = arm
         return timed(step, device)
 
@@ -158,6 +160,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--draws", type=int, default=3, help="noise draws of division's cosine (the minimum is reported)")
     ap.add_argument("--quick", action="store_true", help="the first shape only, 3 rounds, 1 draw")
+    ap.add_argument("--set", type=json.loads, default={},
+                    help="DivisionConfig fields of the division arms as JSON, e.g. '{\"linear_group_size\": 32}'")
     ap.add_argument("--compiled", action="store_true", help="compressor kernels through torch.compile")
     ap.add_argument("--budget-s", type=float, default=float("inf"))
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: the test's smoke run
@@ -176,7 +180,7 @@ def main(argv=None):
 def run(args, argv) -> list[dict]:
     start, rows = time.perf_counter(), []
     meta = {"argv": argv, "torch": torch.__version__, "compiled": args.compiled,
-            "triton": getattr(triton_codec.triton, "__version__", None),
+            "triton": getattr(triton_codec.triton, "__version__", None), "config": args.set,
             "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
     for shape, size in zip(args.shapes, args.sizes):
         if time.perf_counter() - start > args.budget_s:
@@ -185,7 +189,8 @@ def run(args, argv) -> list[dict]:
         model = build(shape, args.device)
         batch = {k: v.to(args.device) for k, v in random_tokens(model.config.vocab_size, *size, seed=0).items()}
         batch["labels"] = batch["input_ids"]
-        res = measure(model, batch, _AUTOCAST[args.autocast], args.rounds, args.device, args.draws)
+        res = measure(model, batch, _AUTOCAST[args.autocast], args.rounds, args.device, args.draws,
+                      DivisionConfig(**args.set))
         rows.append({"shape": shape, "batch": size[0], "seq": size[1], "arms": res})
         print(report(shape, size, res), flush=True)
         if args.out:
