@@ -188,10 +188,10 @@ class NativeBackend(Backend):
 class TritonBackend(TorchBackend):
     """The Triton kernels for token groups; flat groups through the torch kernels."""
 
-    name, any_dtype, whole = "triton", True, True
+    any_dtype, whole = True, True
 
     def __init__(self):
-        super().__init__(compile=True)
+        super().__init__(compile=True)  # flat groups: the compiled torch kernels
         self.name = "triton"
 
     def exact_tokens(self, x3: torch.Tensor, ratio: float) -> dict:

@@ -126,11 +126,11 @@ def tensor_seed(device: torch.device, gen: torch.Generator | None, blocks: bool)
     """A 0-d int64 seed in ``[0, 2**32)`` on ``device`` for one tensor's rounding noise, drawn from
     ``gen`` (:func:`~hf_division.quant.rounding.noise_seed`).
 
-    With ``blocks`` (off the CPU, and wherever the Triton kernels run), seeds are drawn
-    :data:`SEED_BLOCK` at a time and handed out as views, one each: a draw is a kernel launch, and
-    a saved tensor's whole compression is one to three (docs/DESIGN.md, "On a GPU"). The block is drawn again where ``gen`` was reseeded or moved since (its seed and
-    offset differ from what the draw left), and where a CUDA graph is being captured and the block
-    was not drawn inside it, so that every replay draws its own noise."""
+    With ``blocks`` (the GPU's path), seeds are drawn :data:`SEED_BLOCK` at a time and handed out as
+    views, one each: a draw is a kernel launch, and a saved tensor's whole compression is one to
+    three (docs/DESIGN.md, "On a GPU"). The block is drawn again where ``gen`` was reseeded or
+    moved since (its seed and offset differ from what the draw left), and where a CUDA graph is
+    being captured and the block was not drawn inside it, so that every replay draws its own noise."""
     if not blocks or gen is None:
         return noise_seed(device, gen)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()

@@ -77,16 +77,15 @@ def compress(
     if lead >= x3.shape[1] > 0:  # every token exact: nothing to compress
         return Packed.kept(x, block_size, group_size)
     block = max(1, min(block_size, x3.shape[1])) if by_tokens else 1  # a row shorter than a block is one block
+    gpu = device_path(x.device)  # no readback: exact rows at a fixed capacity, seeds drawn in blocks
+    static = gpu if static_rows is None else static_rows
+    seed = tensor_seed(x.device, generator, blocks=gpu) if stochastic else None
     if not by_tokens:  # ActNN's flat groups, after any exact rows are split off
         backend = pick(x.device, FLAT, None)
-        static = device_path(x.device) if static_rows is None else static_rows
-        seed = tensor_seed(x.device, generator, blocks=device_path(x.device)) if stochastic else None
         x3, exact = _split_exact(x3.float(), ratio, 0, static, x.dtype, backend)
         return _no_larger(_encode_flat(backend, x, x3, layout, seed, bits, group_size, exact), x)
     backend = pick(x.device, TOKENS, lfc_dtype if block > 1 else None)
     x3 = x3 if backend.any_dtype else x3.float()
-    static = device_path(x.device) if static_rows is None else static_rows
-    seed = tensor_seed(x.device, generator, blocks=device_path(x.device)) if stochastic else None
     group = token_group(group_size, block, bits)
     # 2. the exact tokens, split off once; 3. one encode
     if ratio > 0 and not static and not lead and backend.scores_in_encode:

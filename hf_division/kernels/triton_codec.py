@@ -5,17 +5,18 @@ exact (outlier) tokens scored and chosen in two more, no host synchronisation (d
 The math is :mod:`hf_division.quant.codecs`' element by element: the same block sums in token order,
 the same bf16 rounding on the bits, the same counter-based noise (:func:`~hf_division.quant.rounding.hash_uniform`
 of each element's index in the padded ``(M*Tp, C)`` tokens), the same word layout
-(:func:`~hf_division.quant.packing.code_layout`). Under Triton's interpreter (``TRITON_INTERPRET=1``,
-CPU tensors) the codes, block means and group ranges equal the reference's to the bit
-(``tests/test_triton.py``); compiled for a GPU, a multiply-add may be fused into one rounding, which
-moves a code at an exact tie.
+(:func:`~hf_division.quant.packing.code_layout`), each product rounded on its own (no fused
+multiply-add: :data:`_OPTIONS`). The codes, block means and group ranges equal the reference's to
+the bit, under Triton's interpreter in CI (``tests/test_triton.py``) and on a GPU
+(``tests/test_cuda.py``).
 
 Each launcher takes the tensor as it is held (any float dtype, any strides of its ``(M, T, C)``
 view): no float32 copy, no padding copy. What the pipeline does around them is in
 :class:`hf_division.compress.backends.TritonBackend`.
 
-Where no CUDA device is present the kernels are defined for Triton's interpreter, so that the
-same code runs on CPU tensors in the tests; :func:`available` says whether Triton is importable.
+Without a CUDA device they run on CPU tensors under Triton's interpreter only (``TRITON_INTERPRET=1``
+set before Triton is first imported; tests/conftest.py does) and inside :func:`on_cpu`;
+:func:`available` says whether Triton is importable.
 """
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ import os
 import torch
 
 from hf_division.kernels.switches import switches
+from hf_division.quant.packed import TokenBuffers, code_views
+from hf_division.quant.packing import code_layout
+from hf_division.quant.rounding import SCALE_DTYPE
 
 try:  # Triton ships with CUDA builds of torch; a CPU build may lack it (then the torch kernels run)
     import triton
@@ -37,8 +41,6 @@ LFC_KIND = {None: 0, torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 #: tokens of the exact-token search's median sample (docs/DESIGN.md, "On a GPU")
 SAMPLE = 1024
 _counts = {"launches": 0}
-
-
 _cpu = {"on": False}
 
 
@@ -143,17 +145,12 @@ def _channel_tile(c: int, rows: int) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _layouts(group: int, rest: int, bits: int) -> tuple:
-    return tuple(_group_layouts(group, rest, bits).items())
-
-
-def _group_layouts(group: int, rest: int, bits: int) -> dict:
-    """The word layout of a full group and of the last, partial one (``code_layout``'s)."""
-    from hf_division.quant.packing import code_layout
-
+    """The word layout of a full group and of the last, partial one (``code_layout``'s), as
+    ``(r_last, launch constants)``; cached: it runs per launch."""
     full_dtype, r_full = code_layout(group, bits)
     last_dtype, r_last = code_layout(rest, bits) if rest else (torch.uint8, 0)
-    return dict(r_last=r_last, R_FULL=r_full, FULL32=full_dtype == torch.int32, LAST32=last_dtype == torch.int32,
-                RT_FULL=_pow2(r_full), RT_LAST=_pow2(r_last))
+    return r_last, dict(R_FULL=r_full, FULL32=full_dtype == torch.int32, LAST32=last_dtype == torch.int32,
+                        RT_FULL=_pow2(r_full), RT_LAST=_pow2(r_last))
 
 
 def encode_tokens(x3: torch.Tensor, seed, bits: int, block: int, group: int, lfc_dtype, exact=None):
@@ -162,44 +159,38 @@ def encode_tokens(x3: torch.Tensor, seed, bits: int, block: int, group: int, lfc
     repeating the last token; one launch. ``seed``: 0-d int64 tensor on the device (None: round
     to nearest). ``exact``: :func:`exact_tokens`' result, whose tokens are zeroed in what is
     encoded and copied into its ``rows``."""
-    from hf_division.quant.packed import TokenBuffers, code_views
-    from hf_division.quant.rounding import SCALE_DTYPE
-
     m, t, c = x3.shape
     out = TokenBuffers.empty(m, t, c, bits, block, group, lfc_dtype, SCALE_DTYPE, x3.device)
     full, last = code_views(out.codes, out.n_full, out.rest, group, bits, c)
-    lay = dict(_layouts(group, out.rest, bits))
+    r_last, lay = _layouts(group, out.rest, bits)
     bc = _channel_tile(c, lay["R_FULL"])
     grid = (out.n_full + (out.rest > 0), _cdiv(c, bc))
     slot, rows = (out.lo, out.lo) if exact is None else (exact["slot"], exact["rows"])
-    _launch("encode", grid, x3, *x3.stride(), t, out.tokens // m, c, out.n_full, out.rest, lay.pop("r_last"),
+    _launch("encode", grid, x3, *x3.stride(), t, out.tokens // m, c, out.n_full, out.rest, r_last,
             out.lo if seed is None else seed, slot, rows, full, out.lo if last is None else last,
-            out.lo if out.lfc is None else out.lfc, out.lo, out.scale, BITS=bits, BLOCK=block, GROUP=group, BC=bc, NBT=_pow2(group // block),
-            LFC=LFC_KIND[lfc_dtype if block > 1 else None], HAS_SEED=seed is not None, HAS_SLOT=exact is not None,
-            **lay)
+            out.lo if out.lfc is None else out.lfc, out.lo, out.scale, BITS=bits, BLOCK=block, GROUP=group, BC=bc,
+            NBT=_pow2(group // block), LFC=LFC_KIND[lfc_dtype if block > 1 else None], HAS_SEED=seed is not None,
+            HAS_SLOT=exact is not None, **lay)
     return out
 
 
-def decode_tokens(p, rows: bool = True) -> torch.Tensor:
+def decode_tokens(p) -> torch.Tensor:
     """A token-grouped ``Packed`` -> ``(M, T, C)`` in ``p.dtype`` (clamped to its finite range),
     its exact rows in their places; one launch, two with exact rows."""
-    from hf_division.quant.packed import code_views
-
     m, t, c = p.layout.rows
     block, group = p.block_size, p.group_size
     tp = -(-t // block) * block
     n_full, rest = divmod(m * tp, group)
     full, last = code_views(p.packed, n_full, rest, group, p.bits, c)
     out = torch.empty(m * t, c, dtype=p.dtype, device=p.packed.device)
-    lay = dict(_layouts(group, rest, p.bits))
+    r_last, lay = _layouts(group, rest, p.bits)
     bc = _channel_tile(c, lay["R_FULL"])
     top = torch.finfo(p.dtype).max if p.dtype != torch.float32 else 0.0
-    _launch("decode", (n_full + (rest > 0), _cdiv(c, bc)), out, t, tp, c, n_full, rest, lay.pop("r_last"),
+    _launch("decode", (n_full + (rest > 0), _cdiv(c, bc)), out, t, tp, c, n_full, rest, r_last,
             full, full if last is None else last, p.lo if p.lfc is None else p.lfc, p.lo, p.scale, top,
             BITS=p.bits, BLOCK=block, GROUP=group, BC=bc, HAS_LFC=p.lfc is not None, CLAMP=p.dtype != torch.float32,
-            OUT_BF16=p.dtype == torch.bfloat16,
-            **lay)
-    if rows and p.rows is not None and p.rows.numel():
+            OUT_BF16=p.dtype == torch.bfloat16, **lay)
+    if p.rows is not None and p.rows.numel():
         keep = p.row_keep
         bc = max(16, min(_pow2(c), 1024))
         _launch("put_rows", (p.rows.shape[0], _cdiv(c, bc)), out, p.rows, p.row_index,
