@@ -168,6 +168,17 @@ def test_exact_tokens_past_the_sample_and_past_the_capacity():
     assert ((y - crowded).abs() <= p.scale.float().max() * 1.0001).all()
 
 
+def test_the_median_sample_spans_every_token():
+    """Past :data:`SAMPLE` tokens the sample is strided over all of them, not over the first ones:
+    here the first 700 of 2047 tokens are tiny, and a sample of the first 1024 would put the median
+    among them and hold ordinary tokens exact; spread over all, only the massive one is held."""
+    x = _tokens(1, 2047, 8)
+    x[0, :700] *= 0.01
+    x[0, 1500] *= 100
+    ex = tc.exact_tokens(x, 16.0)
+    assert ex["row_index"][ex["row_keep"]].tolist() == [1500]
+
+
 @pytest.mark.parametrize("ratio", [16.0, 0.0])
 def test_launch_budget_and_no_host_synchronisation(ratio):
     """One saved tensor as on a GPU (exact tokens at a fixed capacity, the seed from a block drawn

@@ -206,7 +206,7 @@ def exact_tokens(x3: torch.Tensor, ratio: float) -> dict:
     as :func:`hf_division.quant.exact_tokens.outlier_candidates`.
 
     The criterion is that function's, max |x| of a token above ``ratio`` times the median token's,
-    with the median of a strided sample of :data:`SAMPLE` tokens (exact up to that many) and, past
+    with the median of every ``ceil(n / SAMPLE)``-th token's (all up to :data:`SAMPLE` tokens) and, past
     ``k`` such tokens, whichever took a slot first instead of the largest (docs/DESIGN.md, "On a GPU")."""
     m, t, c = x3.shape
     n = m * t
@@ -222,7 +222,7 @@ def exact_tokens(x3: torch.Tensor, ratio: float) -> dict:
     _launch("score", (_cdiv(max(n, k), bt),), x3, *x3.stride(), t, c, n, score, row_index,
             row_keep.view(torch.int8), count, k, BT=bt, BC=bc)
     bt = 1024
-    _launch("select", (_cdiv(n, bt),), score, n, max(1, n // SAMPLE), k, float(ratio), slot, row_index,
+    _launch("select", (_cdiv(n, bt),), score, n, _cdiv(n, SAMPLE), k, float(ratio), slot, row_index,
             row_keep.view(torch.int8), count, SAMPLE=SAMPLE, BT=bt)
     rows = torch.empty(k, c, dtype=x3.dtype, device=dev)
     return dict(slot=slot, rows=rows, row_index=row_index, row_keep=row_keep)

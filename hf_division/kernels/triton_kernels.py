@@ -260,14 +260,15 @@ def score_kernel(x_ptr, sm, st, sc, T, C, n, score_ptr, index_ptr, keep_ptr, cou
 @triton.jit
 def select_kernel(score_ptr, n, stride, k, ratio, slot_ptr, index_ptr, keep_ptr, count_ptr,
                   SAMPLE: tl.constexpr, BT: tl.constexpr):
-    """Tokens whose score exceeds ``ratio`` times the median of a strided sample of ``SAMPLE``
-    scores (all of them when ``n <= SAMPLE``): a slot each, up to ``k``. Each program finds
-    the sample's lower median itself (bit by bit: scores are >= 0, so their bits order as
-    int32), then takes slots for its tokens from one counter."""
+    """Tokens whose score exceeds ``ratio`` times the median of the scores of every ``stride``-th
+    token (at most ``SAMPLE`` of them, spread over all ``n``; all when ``n <= SAMPLE``): a slot
+    each, up to ``k``. Each program finds the sample's lower median itself (bit by bit: scores are
+    >= 0, so their bits order as int32), then takes slots for its tokens from one counter."""
     j = tl.arange(0, SAMPLE)
-    s_ok = j < tl.minimum(n, SAMPLE)
+    size = (n + stride - 1) // stride
+    s_ok = j < size
     bits = tl.load(score_ptr + (j * stride).to(tl.int64), mask=s_ok, other=0.0).to(tl.int32, bitcast=True)
-    want = (tl.minimum(n, SAMPLE) - 1) // 2
+    want = (size - 1) // 2
     med = 0
     for b in tl.static_range(30, -1, -1):
         trial = med | (1 << b)
