@@ -29,9 +29,11 @@ DEFAULT_BITS = {kind: DEFAULTS[f"{kind}_bits"] for kind in KINDS}
 PER_KIND_LAYOUT = ("linear", "attention", "activation")
 DEFAULTS.update({f"{kind}_{what}": None for kind in PER_KIND_LAYOUT for what in ("group_size", "block_size")})
 DEFAULTS["early_layers"] = 0.0
+DEFAULTS["late_layers"] = 0.0
 DEFAULTS["block_size"] = 16
 DEFAULTS["exact_tokens"] = 0
-#: bits of the activation inputs in the model's first ``early_layers`` (docs/DESIGN.md, "Policy")
+#: bits of the activation inputs in the model's first ``early_layers`` and last ``late_layers``
+#: (docs/DESIGN.md, "Policy")
 EARLY_ACTIVATION_BITS = 8
 
 
@@ -164,6 +166,9 @@ class DivisionConfig:
     early_layers: float | None = _field(
         None, "Fraction (0 to 1) of the model's layers, counted from the input, whose activation inputs keep 8 bits "
               "(gated decoders: 0.4; unset: family default; 0: none). Layers that module_bits names keep what it says.")
+    late_layers: float | None = _field(
+        None, "Fraction (0 to 1) of the model's layers, counted from the output, whose activation inputs keep 8 bits "
+              "(gated decoders: 0.05; unset: family default; 0: none). Layers that module_bits names keep what it says.")
 
     def __post_init__(self):
         self.method = Method.parse(self.method, "DivisionConfig.method")
@@ -197,9 +202,10 @@ class DivisionConfig:
         exact = self.exact_tokens
         if exact is not None and (isinstance(exact, bool) or not isinstance(exact, int) or exact < 0):
             raise ValueError(f"DivisionConfig.exact_tokens must be a non-negative integer, got {exact!r}")
-        early = self.early_layers
-        if early is not None and (isinstance(early, bool) or not isinstance(early, (int, float)) or not 0 <= early <= 1):
-            raise ValueError(f"DivisionConfig.early_layers must be a fraction from 0 to 1, got {early!r}")
+        for name in ("early_layers", "late_layers"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1):
+                raise ValueError(f"DivisionConfig.{name} must be a fraction from 0 to 1, got {value!r}")
         self._overrides = _parse_module_bits(self.module_bits)
         self._resolved: dict = {}  # this module's overrides, set by for_module
 
@@ -236,17 +242,21 @@ class DivisionConfig:
         unset = {k: family.get(k, v) for k, v in DEFAULTS.items() if getattr(self, k) is None}
         return dataclasses.replace(self, **unset) if unset else self
 
-    def with_early_layers(self, layer_names: list[str]) -> "DivisionConfig":
-        """This config with ``early_layers`` spelled out as ``module_bits`` entries: activation
-        inputs at :data:`EARLY_ACTIVATION_BITS` in the first ``ceil(early_layers x n)`` of the
-        model's ``n`` layers (``layer_names``, in order), except layers ``module_bits`` already
-        names, or names a module of. Only ever raises the bits: with activation inputs kept exact
-        (0) or at 8 bits, nothing changes. Applying it again gives the same config."""
+    def with_edge_layers(self, layer_names: list[str]) -> "DivisionConfig":
+        """This config with ``early_layers`` and ``late_layers`` spelled out as ``module_bits``
+        entries: activation inputs at :data:`EARLY_ACTIVATION_BITS` in the first
+        ``ceil(early_layers x n)`` and the last ``ceil(late_layers x n)`` of the model's ``n``
+        layers (``layer_names``, in order), except layers ``module_bits`` already names, or names a
+        module of. Only ever raises the bits: with activation inputs kept exact (0) or at 8 bits,
+        nothing changes. Applying it again gives the same config."""
         if not 0 < self.bits("activation") < EARLY_ACTIVATION_BITS:
             return self  # kept exact, or already as precise: nothing to raise
-        count = math.ceil((self.early_layers or 0) * len(layer_names) - 1e-9)
+        n = len(layer_names)
+        first = math.ceil((self.early_layers or 0) * n - 1e-9)
+        last = math.ceil((self.late_layers or 0) * n - 1e-9)
+        chosen = layer_names[:first] + layer_names[max(first, n - last):]
         mine = self._overrides
-        added = {name: {"activation": EARLY_ACTIVATION_BITS} for name in layer_names[:count]
+        added = {name: {"activation": EARLY_ACTIVATION_BITS} for name in chosen
                  if not any(k == name or name.startswith(k + ".") or k.startswith(name + ".") for k in mine)}
         if not added:
             return self
