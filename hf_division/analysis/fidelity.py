@@ -115,6 +115,21 @@ def gradient_fidelity(model, inputs: dict, config: DivisionConfig | None = None,
     return found
 
 
+def precision_reference(model, inputs: dict, autocast: torch.dtype, *, seed: int = 0,
+                        select: Callable[[str], bool] | None = None, share: float = 0.01) -> Fidelity:
+    """The unpatched model's own ``autocast`` gradient against its float32 gradient (same dropout
+    masks), in :class:`Fidelity`'s terms (one draw): how far the reduced-precision gradient that
+    division is compared with already lies from the float32 one, tensor by tensor. The model is
+    left patched or not as it was found."""
+    with restored_division(model):
+        remove_division(model)
+        found = Fidelity([], {})
+        # the carrying tensors are the autocast gradient's, as in gradient_fidelity under autocast
+        _add_draw(found, named_grads(model, inputs, seed, autocast, select=select),
+                  named_grads(model, inputs, seed, None, select=select), share)
+    return found
+
+
 def _add_draw(found: Fidelity, exact: dict, got: dict, share: float) -> None:
     """One division gradient ``got`` against ``exact`` into ``found``: its whole cosine, each
     carrying tensor's minimum (a missing one counts 0), the tensors without a gradient."""

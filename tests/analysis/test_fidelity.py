@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import hf_division as hd
-from hf_division.analysis.fidelity import added_variance, cosine, gradient_fidelity, named_grads
+from hf_division.analysis.fidelity import added_variance, cosine, gradient_fidelity, named_grads, precision_reference
 from hf_division.api import division_config_of
 
 from conftest import tiny_batch, tiny_model
@@ -51,3 +51,19 @@ def test_added_variance_against_the_sampling_variance():
     assert cosine(exact[0], div[0]) < 1
     with pytest.raises(ValueError, match="batches"):
         added_variance(model, batches[:1])
+
+
+def test_precision_reference_is_the_unpatched_autocast_gradient_against_float32():
+    model = tiny_model("llama", "sdpa")
+    batch = tiny_batch(batch=2, seq=40, pad_from=[40, 25])
+    hd.apply_division(model)
+    ref = precision_reference(model, batch, torch.bfloat16)
+    assert division_config_of(model) is not None  # left patched, as found
+    hd.remove_division(model)
+    exact, half = named_grads(model, batch, 0), named_grads(model, batch, 0, torch.bfloat16)
+    flat = torch.cat(list(exact.values()))
+    assert ref.whole == [cosine(torch.cat([half[n] for n in exact]), flat)]
+    assert 0.9 < ref.worst < 1  # bf16 moves the gradient, a little
+    flat_half = torch.cat(list(half.values()))  # the carrying tensors: the autocast gradient's
+    carrying = {n for n, g in half.items() if g.norm() >= 0.01 * flat_half.norm()}
+    assert ref.per_tensor == {n: cosine(half[n], exact[n]) for n in carrying}

@@ -28,9 +28,12 @@ norm), and with ``--variance B`` division's added variance over the sampling var
 consecutive batches of ``--batch`` sentences from START.
 ``--autocast bf16``: forward under bf16 autocast, compared with the exact bf16-autocast gradient.
 ``--lora``: PEFT LoRA on all linear layers (r=8, alpha 16, dropout 0.05) with an adapter as some
-steps into training: ``lora_B`` drawn from N(0, 0.02) (seed 0; at zero, A's gradient would be
-zero and hide the error), then ``--train-steps`` Adam steps (lr 1e-3) on the batch; cosines of
+steps into training: ``lora_B`` drawn from N(0, 0.02) (``--adapter-seed``, default 0, which also
+seeds PEFT's draw of ``lora_A``; at zero, A's gradient would be zero and hide the error), then ``--train-steps`` Adam steps (lr 1e-3) on the batch; cosines of
 the adapter gradients. ``--set``: DivisionConfig fields as JSON (default: the family defaults).
+``--mlp-error``: instead, per gated MLP of the unpatched model, the expected relative error that
+4-bit gate/up inputs in groups of 32 tokens put into its input gradient
+(``hf_division.analysis.gated_mlp``), with the token and channel that carry most of it.
 """
 from __future__ import annotations
 
@@ -43,7 +46,8 @@ import torch
 
 from hf_division.api import apply_division, remove_division
 from hf_division.config import DivisionConfig
-from hf_division.analysis.fidelity import added_variance, cosine, flat_grad, gradient_fidelity
+from hf_division.analysis.fidelity import added_variance, cosine, flat_grad, gradient_fidelity, precision_reference
+from hf_division.analysis.gated_mlp import gate_up_error
 from hf_division.analysis.measure import measure_activation_memory
 from hf_division.bench.textdata import causal_lm_batch, glue_sentences, sentence_batch
 from hf_division.bench.zoo import GGUF_FILE, load_smollm2
@@ -52,14 +56,15 @@ from hf_division.bench.suites.common import measure_config, set_threads, suite_p
 _AUTOCAST = {"none": None, "bf16": torch.bfloat16}
 
 
-def lora_model(model, batch: dict, train_steps: int):
-    """``model`` with all-linear LoRA (r=8) whose ``lora_B`` is N(0, 0.02), then ``train_steps`` Adam steps."""
+def lora_model(model, batch: dict, train_steps: int, adapter_seed: int = 0):
+    """``model`` with all-linear LoRA (r=8) whose ``lora_A`` is PEFT's draw under ``adapter_seed`` and
+    ``lora_B`` N(0, 0.02), then ``train_steps`` Adam steps."""
     import peft  # optional dependency: only --lora needs it
 
     config = peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.05, target_modules="all-linear", task_type="CAUSAL_LM")
-    torch.manual_seed(0)  # lora_A's initialization: the same adapter in every run
+    torch.manual_seed(adapter_seed)  # lora_A's initialization: the same adapter in every run
     wrapped = peft.get_peft_model(model, config)
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(adapter_seed)
     with torch.no_grad():
         for name, p in wrapped.named_parameters():
             if "lora_B" in name:
@@ -99,18 +104,28 @@ def main(argv=None):
     ap.add_argument("--autocast", default="none", choices=list(_AUTOCAST))
     ap.add_argument("--lora", action="store_true", help="all-linear LoRA r=8 with a non-zero adapter")
     ap.add_argument("--train-steps", type=int, default=0, help="--lora: Adam steps on the batch before measuring")
+    ap.add_argument("--adapter-seed", type=int, default=0, help="--lora: seed of lora_A's and lora_B's draws")
     ap.add_argument("--set", default="", help="DivisionConfig fields as JSON, e.g. '{\"attention_bits\": 4}'")
     ap.add_argument("--sentences", type=int, default=None, metavar="START",
                     help="one sentence per row from sentence START, padded (see --pad); not packed text")
     ap.add_argument("--pad", default="longest", help="--sentences: 'longest' or a length in tokens")
     ap.add_argument("--variance", type=int, default=0, metavar="B",
                     help="--sentences: added variance over B batches of --batch sentences from START")
+    ap.add_argument("--mlp-error", action="store_true",
+                    help="instead: per gated MLP, the expected relative error of 4-bit gate/up inputs in groups of "
+                         "32 tokens in its input gradient, and the token and channel that carry most of it")
     args = ap.parse_args(argv)
     set_threads()
     tok, model = load_smollm2(args.attn)
-    if args.sentences is not None:
+    if args.sentences is not None and not args.mlp_error:
         return _sentences(args, tok, model)
-    batch = causal_lm_batch(args.tsv, tok, args.batch, args.seq)
+    if args.sentences is not None:
+        pad = args.pad if args.pad == "longest" else int(args.pad)
+        batch = sentence_batch(tok, glue_sentences(args.tsv), args.sentences, args.batch, pad)
+    else:
+        batch = causal_lm_batch(args.tsv, tok, args.batch, args.seq)
+    if args.mlp_error:
+        return _mlp_error(model, batch)
     config = _config(args)
     with torch.no_grad():
         loss = model(**batch).loss.item()
@@ -139,7 +154,7 @@ def _adapted(args, model, batch):
     parameters (whose gradient is compared), else the model and None."""
     if not args.lora:
         return model, None
-    return lora_model(model, batch, args.train_steps), lambda name: "lora_" in name
+    return lora_model(model, batch, args.train_steps, args.adapter_seed), lambda name: "lora_" in name
 
 
 def _sentences(args, tok, model) -> dict:
@@ -160,12 +175,29 @@ def _sentences(args, tok, model) -> dict:
     print(fidelity.summary())
     out = {"ratio": memory.ratio, "worst": fidelity.worst, "median": fidelity.median,
            "per_tensor": fidelity.worst_tensor[1], "tensor": fidelity.worst_tensor[0]}
+    if amp is not None:  # the reference's own distance from float32, for scale
+        ref = precision_reference(model, batch, amp, select=select)
+        name = fidelity.worst_tensor[0]
+        out.update(reference=ref.worst, reference_tensor=ref.worst_tensor, reference_at_worst=ref.per_tensor.get(name))
+        print(f"the unpatched {args.autocast} gradient against the unpatched float32 one: cosine {ref.worst:.4f}; "
+              f"per-tensor min {ref.worst_tensor[1]:.4f} ({ref.worst_tensor[0]}); at {name}: "
+              f"{ref.per_tensor.get(name, float('nan')):.4f}")
     if args.variance:
         batches = [sentence_batch(tok, sentences, args.sentences + i * args.batch, args.batch, pad)
                    for i in range(args.variance)]
         out["added_variance"] = added_variance(model, batches, config, autocast=amp, select=select)
         print(f"added variance over {args.variance} batches of {args.batch}: {out['added_variance']:.1%} of the sampling variance")
     return out
+
+
+def _mlp_error(model, batch: dict) -> list:
+    rows = gate_up_error(model.train(), batch)
+    print("layer  expected relative error  largest share: token (row, position), channel  "
+          "that channel's max |gate|,|up| (median channel's)")
+    for r in rows:
+        print(f"{r.layer:5d}  {r.relative:23.3f}  {str(r.token):>14} {r.token_share:6.1%}  {r.channel:7d} {r.channel_share:6.1%}"
+              f"  {r.channel_max:8.1f} ({r.median_channel_max:.1f})")
+    return rows
 
 
 def _print_memory(memory) -> None:
