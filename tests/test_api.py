@@ -201,7 +201,8 @@ def test_unset_bits_take_the_family_default_and_explicit_bits_win():
     llama = cfg.resolved("llama")
     assert llama.attention_bits == family_defaults("llama")["attention_bits"] == 8 and llama.linear_bits == 4
     assert cfg.resolved("bert") == DivisionConfig(linear_bits=4, attention_bits=4, activation_bits=4, norm_bits=4,
-                                                  outlier_ratio=0, early_layers=0, exact_tokens=0, block_size=1)
+                                                  outlier_ratio=0, early_layers=0, late_layers=0, exact_tokens=0,
+                                                  block_size=1)
     assert cfg.resolved("llama").outlier_ratio == cfg.effective_outlier_ratio == 16
     assert cfg.resolved("llama").block_size == cfg.effective_block_size == 16  # decoders keep the LFC
     assert DivisionConfig(block_size=8).resolved("bert").effective_block_size == 8

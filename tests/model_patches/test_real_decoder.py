@@ -48,9 +48,10 @@ def test_massive_activation_tokens_kept_exact(smollm2, exact):
     """Linear inputs alone at 4 bits: SmolLM2's first token carries values orders of magnitude above the rest in
     two channels of a down_proj input. With flat groups that made the layer's weight gradient noise
     (docs/ARCHITECTURES.md); token groups confine the damage to those channels' groups, and keeping
-    the token exact still removes what is left."""
+    the token exact still removes what is left. In the generic layout (groups of 256 tokens, an LFC):
+    the gated decoders' own groups of 32 tokens confine it further."""
     model, batch = smollm2
-    only_linear = dict(attention_bits=0, activation_bits=0, norm_bits=0)
+    only_linear = dict(attention_bits=0, activation_bits=0, norm_bits=0, linear_group_size=256, linear_block_size=16)
     cos = {}
     for name, config in (("kept", hd.DivisionConfig(**only_linear)),
                          ("lost", hd.DivisionConfig(outlier_ratio=0, **only_linear))):
