@@ -34,7 +34,7 @@ DEFAULTS["block_size"] = 16
 DEFAULTS["exact_tokens"] = 0
 #: bits of the activation inputs in the model's first ``early_layers`` and last ``late_layers``
 #: (docs/DESIGN.md, "Policy")
-EARLY_ACTIVATION_BITS = 8
+EDGE_ACTIVATION_BITS = 8
 
 
 
@@ -244,19 +244,19 @@ class DivisionConfig:
 
     def with_edge_layers(self, layer_names: list[str]) -> "DivisionConfig":
         """This config with ``early_layers`` and ``late_layers`` spelled out as ``module_bits``
-        entries: activation inputs at :data:`EARLY_ACTIVATION_BITS` in the first
+        entries: activation inputs at :data:`EDGE_ACTIVATION_BITS` in the first
         ``ceil(early_layers x n)`` and the last ``ceil(late_layers x n)`` of the model's ``n``
         layers (``layer_names``, in order), except layers ``module_bits`` already names, or names a
         module of. Only ever raises the bits: with activation inputs kept exact (0) or at 8 bits,
         nothing changes. Applying it again gives the same config."""
-        if not 0 < self.bits("activation") < EARLY_ACTIVATION_BITS:
+        if not 0 < self.bits("activation") < EDGE_ACTIVATION_BITS:
             return self  # kept exact, or already as precise: nothing to raise
         n = len(layer_names)
         first = math.ceil((self.early_layers or 0) * n - 1e-9)
         last = math.ceil((self.late_layers or 0) * n - 1e-9)
         chosen = layer_names[:first] + layer_names[max(first, n - last):]
         mine = self._overrides
-        added = {name: {"activation": EARLY_ACTIVATION_BITS} for name in chosen
+        added = {name: {"activation": EDGE_ACTIVATION_BITS} for name in chosen
                  if not any(k == name or name.startswith(k + ".") or k.startswith(name + ".") for k in mine)}
         if not added:
             return self

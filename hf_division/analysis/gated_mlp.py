@@ -3,8 +3,8 @@
 A SiLU-gated MLP (``down(act(gate(x)) * up(x))``, Llama's) keeps its gate and up outputs for
 backward. Stochastic rounding of each to ``bits`` in groups of ``group`` tokens of one channel adds
 zero-mean noise of variance ``step**2 * f * (1 - f)`` per element (``step``: the group's range over
-``2**bits - 1``; ``f``: the element's remainder above its lower level, in steps). Through the backward this noise reaches the MLP's input
-gradient linearly; :func:`gate_up_error` sums its expected square exactly for that linear map and
+``2**bits - 1``; ``f``: the element's remainder above its lower level, in steps). Through the
+backward this noise reaches the MLP's input gradient linearly; :func:`gate_up_error` sums its expected square exactly for that linear map and
 reports it relative to the input gradient's own norm, from one exact forward and backward of the
 unpatched model. It names the token and the channel that carry the largest share, which is how the
 policy's ``late_layers`` was found (docs/DESIGN.md, "Policy", "Early and late layers").
@@ -65,11 +65,13 @@ def gate_up_error(model, batch: dict, bits: int = 4, group: int = 32) -> list[La
     handles = []
     for i, mlp in enumerate(mlps):
         def keep(name, i=i):
-            def hook(module, args, out):
-                out.retain_grad()
-                caught[i][name] = out
+            def hook(module, args, out=None):  # a Linear's output, or (pre-hook) down_proj's input
+                t = args[0] if out is None else out
+                t.retain_grad()
+                caught[i][name] = t
             return hook
-        handles += [mlp.gate_proj.register_forward_hook(keep("gate")), mlp.up_proj.register_forward_hook(keep("up"))]
+        handles += [mlp.gate_proj.register_forward_hook(keep("gate")), mlp.up_proj.register_forward_hook(keep("up")),
+                    mlp.down_proj.register_forward_pre_hook(keep("h"))]
     try:
         model.zero_grad(set_to_none=True)
         model(**batch).loss.backward()
@@ -82,18 +84,17 @@ def gate_up_error(model, batch: dict, bits: int = 4, group: int = 32) -> list[La
 
 def _layer_error(i: int, mlp, got: dict, mask: torch.Tensor, bits: int, group: int) -> LayerError:
     g, u = got["gate"].detach().double(), got["up"].detach().double()
-    d_up = got["up"].grad.double()
+    dh = got["h"].grad.double()  # the gradient at act(gate) * up
     s = torch.sigmoid(g)
-    silu, d1 = g * s, s * (1 + g * (1 - s))
+    d1 = s * (1 + g * (1 - s))
     d2 = s * (1 - s) * (2 + g * (1 - 2 * s))
-    dh = torch.where(silu.abs() > 1e-30, d_up / silu.where(silu.abs() > 1e-30, 1.0), 0.0)
     var_g, var_u = _variance(g, mask, bits, group), _variance(u, mask, bits, group)
     wg, wu = mlp.gate_proj.weight.detach().double(), mlp.up_proj.weight.detach().double()
     ng, nu, cross = (wg * wg).sum(1), (wu * wu).sum(1), (wg * wu).sum(1)
     # noise in dx from gate's eps: dh * (up * act'' * Wg[c] + act' * Wu[c]); from up's: dh * act' * Wg[c]
     a = u * d2
     e = dh ** 2 * (var_g * (a * a * ng + d1 * d1 * nu + 2 * a * d1 * cross) + var_u * d1 * d1 * ng)
-    dx = got["gate"].grad.double() @ wg + d_up @ wu
+    dx = got["gate"].grad.double() @ wg + got["up"].grad.double() @ wu
     total = e.sum()
     per_token, per_channel = e.sum(-1), e.sum((0, 1))
     t = int(per_token.flatten().argmax())

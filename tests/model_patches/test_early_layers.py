@@ -8,7 +8,7 @@ from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM
 
 import hf_division as hd
 from hf_division.api import division_config_of
-from hf_division.config import EARLY_ACTIVATION_BITS, DivisionConfig
+from hf_division.config import EDGE_ACTIVATION_BITS, DivisionConfig
 from hf_division.analysis.measure import held_bytes
 
 NAMES = [f"model.layers.{i}" for i in range(10)]
@@ -23,7 +23,7 @@ def llama(layers=5):
 @pytest.mark.parametrize("fraction, count", [(0, 0), (0.05, 1), (0.4, 4), (0.45, 5), (1, 10)])
 def test_first_ceil_fraction_of_layers(fraction, count):
     c = DivisionConfig(early_layers=fraction).with_edge_layers(NAMES)
-    early = [n for n in NAMES if c.for_module(n + ".mlp").bits("activation") == EARLY_ACTIVATION_BITS]
+    early = [n for n in NAMES if c.for_module(n + ".mlp").bits("activation") == EDGE_ACTIVATION_BITS]
     assert early == NAMES[:count]
     assert all(c.for_module(n).bits("linear") == c.bits("linear") for n in NAMES)
 
@@ -41,7 +41,7 @@ def test_module_bits_keep_their_layers_and_folding_is_idempotent():
                                                  (0.6, 0.6, list(range(10))), (0, 1, list(range(10)))])
 def test_last_ceil_fraction_of_layers(early, late, chosen):
     c = DivisionConfig(early_layers=early, late_layers=late).with_edge_layers(NAMES)
-    raised = [i for i, n in enumerate(NAMES) if c.for_module(n + ".mlp").bits("activation") == EARLY_ACTIVATION_BITS]
+    raised = [i for i, n in enumerate(NAMES) if c.for_module(n + ".mlp").bits("activation") == EDGE_ACTIVATION_BITS]
     assert raised == chosen
     assert c.with_edge_layers(NAMES) == c
 

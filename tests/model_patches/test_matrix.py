@@ -93,7 +93,12 @@ def _step(model, batch: dict, amp, inside: bool):
 
 
 @pytest.mark.parametrize("model_type,precision,padding,impl,seq,batch,inside", list(_cases()))
-def test_step_matches_the_unpatched_model(model_type, precision, padding, impl, seq, batch, inside, config=None):
+def test_step_matches_the_unpatched_model(model_type, precision, padding, impl, seq, batch, inside):
+    _check_step(model_type, precision, padding, impl, seq, batch, inside)
+
+
+def _check_step(model_type, precision, padding, impl, seq, batch, inside, config=None):
+    """One step with division (``config``; None: the default) against the unpatched model's."""
     model = _model(model_type, impl)
     data = _batch(model_type, padding, seq, batch)
     amp = PRECISIONS[precision]
@@ -118,5 +123,4 @@ def test_moe_experts_rows_at_four_bits(precision):
     batch's padding, so zero padding tokens there are not found and rebuilt as zeros: with the last
     layer's expert inputs at 4 bits (``late_layers=0``; the default holds both layers of this tiny
     model at 8 bits), a left-padded single row leaves that layer's experts' down_proj below 0.9."""
-    test_step_matches_the_unpatched_model("qwen2_moe", precision, "left", "sdpa", 37, 1, True,
-                                          config=hd.DivisionConfig(late_layers=0))
+    _check_step("qwen2_moe", precision, "left", "sdpa", 37, 1, True, config=hd.DivisionConfig(late_layers=0))

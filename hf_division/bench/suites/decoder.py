@@ -29,8 +29,8 @@ consecutive batches of ``--batch`` sentences from START.
 ``--autocast bf16``: forward under bf16 autocast, compared with the exact bf16-autocast gradient.
 ``--lora``: PEFT LoRA on all linear layers (r=8, alpha 16, dropout 0.05) with an adapter as some
 steps into training: ``lora_B`` drawn from N(0, 0.02) (``--adapter-seed``, default 0, which also
-seeds PEFT's draw of ``lora_A``; at zero, A's gradient would be zero and hide the error), then ``--train-steps`` Adam steps (lr 1e-3) on the batch; cosines of
-the adapter gradients. ``--set``: DivisionConfig fields as JSON (default: the family defaults).
+seeds PEFT's draw of ``lora_A``; at zero, A's gradient would be zero and hide the error), then
+``--train-steps`` Adam steps (lr 1e-3) on the batch; cosines of the adapter gradients. ``--set``: DivisionConfig fields as JSON (default: the family defaults).
 ``--mlp-error``: instead, per gated MLP of the unpatched model, the expected relative error that
 4-bit gate/up inputs in groups of 32 tokens put into its input gradient
 (``hf_division.analysis.gated_mlp``), with the token and channel that carry most of it.
@@ -117,15 +117,13 @@ def main(argv=None):
     args = ap.parse_args(argv)
     set_threads()
     tok, model = load_smollm2(args.attn)
-    if args.sentences is not None and not args.mlp_error:
-        return _sentences(args, tok, model)
-    if args.sentences is not None:
-        pad = args.pad if args.pad == "longest" else int(args.pad)
-        batch = sentence_batch(tok, glue_sentences(args.tsv), args.sentences, args.batch, pad)
-    else:
-        batch = causal_lm_batch(args.tsv, tok, args.batch, args.seq)
     if args.mlp_error:
+        batch = (causal_lm_batch(args.tsv, tok, args.batch, args.seq) if args.sentences is None
+                 else _sentence_batch(args, tok, glue_sentences(args.tsv)))
         return _mlp_error(model, batch)
+    if args.sentences is not None:
+        return _sentences(args, tok, model)
+    batch = causal_lm_batch(args.tsv, tok, args.batch, args.seq)
     config = _config(args)
     with torch.no_grad():
         loss = model(**batch).loss.item()
@@ -157,11 +155,16 @@ def _adapted(args, model, batch):
     return lora_model(model, batch, args.train_steps, args.adapter_seed), lambda name: "lora_" in name
 
 
+def _sentence_batch(args, tok, sentences: list[str], start: int | None = None) -> dict:
+    """``--batch`` of ``sentences`` from ``start`` (default ``--sentences``), padded as ``--pad`` says."""
+    pad = args.pad if args.pad == "longest" else int(args.pad)
+    return sentence_batch(tok, sentences, args.sentences if start is None else start, args.batch, pad)
+
+
 def _sentences(args, tok, model) -> dict:
     """``--sentences``: bytes held and the three fidelity measures on padded sentence batches."""
-    pad = args.pad if args.pad == "longest" else int(args.pad)
     sentences = glue_sentences(args.tsv)
-    batch = sentence_batch(tok, sentences, args.sentences, args.batch, pad)
+    batch = _sentence_batch(args, tok, sentences)
     config, amp = _config(args), _AUTOCAST[args.autocast]
     model, select = _adapted(args, model, batch)
     real = int(batch["attention_mask"].sum())
@@ -183,8 +186,7 @@ def _sentences(args, tok, model) -> dict:
               f"per-tensor min {ref.worst_tensor[1]:.4f} ({ref.worst_tensor[0]}); at {name}: "
               f"{ref.per_tensor.get(name, float('nan')):.4f}")
     if args.variance:
-        batches = [sentence_batch(tok, sentences, args.sentences + i * args.batch, args.batch, pad)
-                   for i in range(args.variance)]
+        batches = [_sentence_batch(args, tok, sentences, args.sentences + i * args.batch) for i in range(args.variance)]
         out["added_variance"] = added_variance(model, batches, config, autocast=amp, select=select)
         print(f"added variance over {args.variance} batches of {args.batch}: {out['added_variance']:.1%} of the sampling variance")
     return out
