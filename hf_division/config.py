@@ -26,7 +26,7 @@ DEFAULTS = {"linear_bits": 4, "attention_bits": 4, "activation_bits": 4, "norm_b
 DEFAULT_BITS = {kind: DEFAULTS[f"{kind}_bits"] for kind in KINDS}
 #: Kinds whose HFC group and LFC block can differ from ``group_size`` / ``block_size``
 #: (``<kind>_group_size``, ``<kind>_block_size``; docs/DESIGN.md, "Policy").
-PER_KIND_LAYOUT = ("linear", "attention", "activation")
+PER_KIND_LAYOUT = ("linear", "attention", "activation", "norm")
 DEFAULTS.update({f"{kind}_{what}": None for kind in PER_KIND_LAYOUT for what in ("group_size", "block_size")})
 DEFAULTS["early_layers"] = 0.0
 DEFAULTS["late_layers"] = 0.0
@@ -139,12 +139,16 @@ class DivisionConfig:
         None, "Tokens per min/scale group for the attention kind (a multiple of 8); unset: family default, else group_size.")
     activation_group_size: int | None = _field(
         None, "Tokens per min/scale group for the activation kind (a multiple of 8); unset: family default, else group_size.")
+    norm_group_size: int | None = _field(
+        None, "Tokens per min/scale group for the norm kind (a multiple of 8); unset: family default, else group_size.")
     linear_block_size: int | None = _field(
         None, "LFC block for the linear kind (1: no LFC); unset: family default, else block_size.")
     attention_block_size: int | None = _field(
         None, "LFC block for the attention kind (1: no LFC); unset: family default, else block_size.")
     activation_block_size: int | None = _field(
         None, "LFC block for the activation kind (1: no LFC); unset: family default, else block_size.")
+    norm_block_size: int | None = _field(
+        None, "LFC block for the norm kind (1: no LFC); unset: family default, else block_size.")
     min_numel: int = _field(4096, "Saved tensors with fewer elements are kept as they are.")
     narrow_linear: int = _field(
         32, "Linear inputs with at most this many channels (LoRA's rank-r intermediate, lora_B's input) are kept as "
@@ -162,7 +166,8 @@ class DivisionConfig:
     module_bits: str = _field("", "Per-module overrides of the *_bits fields: a JSON object or a path to a JSON file.")
     exact_tokens: int | None = _field(
         None, "Tokens at the start of every sequence kept exact in every compressed kind ([CLS]: a classifier's "
-              "gradient flows through that one row); unset: family default (ViT: 1), else 0.")
+              "gradient flows through that one row; a decoder's first token: the attention sink, whose key and value "
+              "gather every query's gradient); unset: family default (ViT and gated decoders: 1), else 0.")
     early_layers: float | None = _field(
         None, "Fraction (0 to 1) of the model's layers, counted from the input, whose activation inputs keep 8 bits "
               "(gated decoders: 0.4; unset: family default; 0: none). Layers that module_bits names keep what it says.")

@@ -114,9 +114,10 @@ def compress_row_scaled(x: torch.Tensor, row_scale: torch.Tensor, bits: int, blo
     passes over the tensor. Outlier tokens (``policy``'s ``outlier_ratio``) are those of the divided
     values, held as the rows that dividing then multiplying rebuilds. None where that does not apply
     (the caller divides instead): a backend that does not scale rows (not a contiguous float32 CPU
-    tensor), not token groups, or leading tokens kept exact (``exact_tokens``)."""
-    if (policy.get("exact_tokens", 0) or policy.get("grouping", TOKENS) != TOKENS or not bits
-            or x.dtype != torch.float32 or not x.is_contiguous() or x.dim() < 2):
+    tensor), not token groups, or every token kept exact (``exact_tokens``)."""
+    lead = policy.get("exact_tokens", 0)
+    if (policy.get("grouping", TOKENS) != TOKENS or not bits or x.dtype != torch.float32 or not x.is_contiguous()
+            or x.dim() < 2 or lead >= x.shape[-2]):
         return None
     block = max(1, min(block_size, x.shape[-2]))
     backend = pick(x.device, TOKENS, lfc_dtype if block > 1 else None)
@@ -126,7 +127,11 @@ def compress_row_scaled(x: torch.Tensor, row_scale: torch.Tensor, bits: int, blo
     ratio = policy.get("outlier_ratio", 0.0) if x3.shape[2] > 1 else 0.0
     seed = noise_seed(x.device, generator) if stochastic else None
     group = token_group(group_size, block, bits)
-    enc, exact = _encode_then_split(backend, x3, seed, bits, block, group, lfc_dtype, ratio, x.dtype, row_scale)
+    if lead:
+        enc, exact, row_scale = _split_then_encode_scaled(backend, x3, seed, bits, block, group, lfc_dtype, ratio,
+                                                          row_scale, lead)
+    else:
+        enc, exact = _encode_then_split(backend, x3, seed, bits, block, group, lfc_dtype, ratio, x.dtype, row_scale)
     p = Packed(packed=enc.codes, lo=enc.lo, scale=enc.scale, lfc=enc.lfc, shape=x.shape, dtype=x.dtype, layout=layout,
                bits=bits, block_size=block, group_size=group, grouping=TOKENS, **exact)
     kept = _no_larger(p, x)  # as for x / row_scale: the caller keeps x whole where not smaller
@@ -233,6 +238,28 @@ def _encode_then_split(backend: Backend, x3: torch.Tensor, seed, bits: int, bloc
         return first, none
     x3, rows = zero_rows(x3, row_index, dtype, scale)
     return backend.encode_tokens(x3, seed, bits, block, group, lfc_dtype, row_scale), dict(rows=rows, row_index=row_index)
+
+
+def _split_then_encode_scaled(backend: Backend, x3: torch.Tensor, seed, bits: int, block: int, group: int,
+                              lfc_dtype: torch.dtype, ratio: float, row_scale: torch.Tensor, lead: int):
+    """``(Encoded, exact rows, row scale)`` for ``x3 / row_scale`` with its first ``lead`` tokens
+    of each row kept exact: what :func:`_split_exact` then an encode of the divided tensor give,
+    codes and rebuild, with the division inside the encode. The outliers are scored first (a
+    separate pass: they must leave what is encoded before the leading tokens are replaced by
+    their neighbour, as in the divided path); the scale of a replaced token becomes its
+    neighbour's, so the encode divides the copy by the scale it was divided by there."""
+    scale = row_scale.reshape(-1)
+    rows = row_index = None
+    if ratio:
+        row_index = outlier_tokens(x3, ratio, backend.token_absmax(x3) / scale)
+        if row_index is not None:
+            x3, rows = zero_rows(x3, row_index, torch.float32, scale)
+    x3, rows, row_index = split_leading(x3, lead, torch.float32, rows, row_index, scale)
+    s3 = row_scale.reshape(x3.shape[0], x3.shape[1], 1).clone()
+    s3[:, :lead] = s3[:, lead : lead + 1]
+    s3 = s3.view(row_scale.shape)
+    enc = backend.encode_tokens(x3, seed, bits, block, group, lfc_dtype, s3)
+    return enc, dict(rows=rows, row_index=row_index), s3
 
 
 def _encode_flat(backend: Backend, x: torch.Tensor, x3: torch.Tensor, layout: Layout | None, seed, bits: int,

@@ -33,17 +33,23 @@ def zero_rows(x3: torch.Tensor, row_index: torch.Tensor, dtype: torch.dtype, sca
     return flat.index_fill(0, row_index, 0.0).view(x3.shape), rows  # a copy: x3 may view the input
 
 
-def split_leading(x3: torch.Tensor, k: int, dtype: torch.dtype, rows, row_index):
+def split_leading(x3: torch.Tensor, k: int, dtype: torch.dtype, rows, row_index, scale: torch.Tensor | None = None):
     """``x3`` with the first ``k`` tokens of each of its ``M`` rows kept exact (added to the
     outlier rows already split off, if any) and replaced, in what is compressed, by token ``k``:
     a copy of a neighbour moves neither its block's LFC much nor any group's range (a zeroed row
-    would put ``-mean`` of its block into the HFC, widening the range of smooth tensors)."""
+    would put ``-mean`` of its block into the HFC, widening the range of smooth tensors).
+    ``scale`` (``(M*T,)``): the rows as :func:`zero_rows` holds them for a row-scaled encode."""
     m, t, c = x3.shape
     lead = (torch.arange(m, device=x3.device)[:, None] * t + torch.arange(k, device=x3.device)).reshape(-1)
     if row_index is not None:  # outliers already zeroed in x3: take their exact rows from ``rows``
         fresh = ~torch.isin(lead, row_index)
         lead = lead[fresh]
-    new_rows = x3.reshape(-1, c)[lead].to(dtype)
+    new_rows = x3.reshape(-1, c)[lead]
+    if scale is None:
+        new_rows = new_rows.to(dtype)
+    else:
+        picked = scale[lead].view(-1, 1)
+        new_rows = new_rows / picked * picked
     x3 = x3.clone() if row_index is None else x3  # x3 may view the input
     x3[:, :k] = x3[:, k : k + 1]
     if row_index is None:

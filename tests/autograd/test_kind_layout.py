@@ -1,4 +1,5 @@
-"""Per-kind HFC group and LFC block (``linear_*`` / ``attention_*`` / ``activation_*`` ``_group_size`` / ``_block_size``)."""
+"""Per-kind HFC group and LFC block (``linear_*`` / ``attention_*`` / ``activation_*`` / ``norm_*``
+``_group_size`` / ``_block_size``)."""
 import pytest
 import torch
 
@@ -13,6 +14,10 @@ def test_kind_layout_falls_back_to_global_fields():
     assert c.compressor_args("activation")["group_size"] == 128
     assert c.compressor_args("activation")["block_size"] == 1
     assert c.compressor_args("linear")["group_size"] == 128 and c.compressor_args("norm")["block_size"] == 8
+    norm = DivisionConfig(group_size=128, norm_group_size=32).compressor_args("norm")
+    assert (norm["group_size"], norm["block_size"]) == (32, 16)
+    gated = DivisionConfig().resolved("llama")  # the residual stream in groups of 32 tokens, with the LFC
+    assert (gated.compressor_args("norm")["group_size"], gated.compressor_args("norm")["block_size"]) == (32, 16)
     linear = DivisionConfig(linear_group_size=32, linear_block_size=1).compressor_args("linear")
     assert (linear["group_size"], linear["block_size"]) == (32, 1)
     assert DivisionConfig(method="actnn", attention_block_size=16).compressor_args("attention")["block_size"] == 1
@@ -26,7 +31,8 @@ def test_unset_kind_layout_survives_resolution():
 @pytest.mark.parametrize("field, value", [("attention_group_size", 12), ("activation_group_size", 0),
                                           ("linear_group_size", 20), ("linear_block_size", 0),
                                           ("attention_group_size", True), ("activation_block_size", 0),
-                                          ("attention_block_size", 2.0)])
+                                          ("attention_block_size", 2.0), ("norm_group_size", 12),
+                                          ("norm_block_size", 0)])
 def test_invalid_kind_layout_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"DivisionConfig.{field}"):
         DivisionConfig(**{field: value})

@@ -193,13 +193,41 @@ def test_row_scaled_outlier_tokens_are_the_divided_tensors(block):
         assert torch.equal(decompress(fused).isnan(), want.isnan())
 
 
+@pytest.mark.parametrize("block, lead, ratio", [(1, 1, 0.0), (16, 1, 3.0), (16, 3, 3.0), (1, 2, 3.0)])
+def test_row_scaled_leading_tokens_are_the_divided_tensors(block, lead, ratio):
+    # gated decoders keep each row's first token (the attention sink) exact: fused, the same codes,
+    # rows and rebuilt tensor as dividing first, the leading tokens replaced by their neighbour in
+    # what is encoded. Token (0, 0) is an outlier and a leading token, token (1, lead) an outlier
+    # whose zeroed row the leading tokens copy
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(4, 40, 96, generator=g) * torch.logspace(-1, 1, 40).view(1, 40, 1)
+    x[0, 0, 3] = 3e3
+    x[1, lead, 7] = -400.0
+    x[:, 0] *= 50  # the sinks' scale, far above their neighbours'
+    r = torch.linalg.vector_norm(x, dim=-1, keepdim=True).mul_(96**-0.5)
+    args = dict(bits=4, block_size=block, group_size=64, lfc_dtype=torch.bfloat16, outlier_ratio=ratio,
+                exact_tokens=lead)
+    fused = compress_row_scaled(x, r, generator=torch.Generator().manual_seed(4), **args)
+    plain = compress(x / r, generator=torch.Generator().manual_seed(4), **args)
+    assert torch.equal(fused.row_index, plain.row_index)
+    assert fused.row_index.numel() == 4 * lead + (2 if ratio else 0) - (1 if ratio else 0)  # (0, 0) counted once
+    for a, b in zip((fused.packed, fused.lo, fused.scale, fused.lfc), (plain.packed, plain.lo, plain.scale, plain.lfc)):
+        assert (a is None and b is None) or torch.equal(a, b)
+    assert fused.nbytes == plain.nbytes + r.numel() * 4
+    rebuilt = decompress(fused)
+    assert torch.equal(rebuilt, decompress(plain) * r)
+    assert torch.allclose(rebuilt[:, :lead], x[:, :lead], rtol=1e-6, atol=0)  # the leading tokens exact
+    with configured(native=False):
+        assert torch.equal(decompress(fused), rebuilt)
+
+
 def test_row_scaled_declines_what_it_cannot_fuse():
     x = torch.randn(2, 40, 64)
     rms = x.pow(2).mean(-1, keepdim=True).sqrt()
     args = dict(bits=4, block_size=1, group_size=64, lfc_dtype=torch.bfloat16)
     assert compress_row_scaled(x, rms, **args) is not None
-    # leading tokens kept exact; bf16 input; a transposed view
-    assert compress_row_scaled(x, rms, exact_tokens=1, **args) is None
+    # every token kept exact; bf16 input; a transposed view
+    assert compress_row_scaled(x, rms, exact_tokens=40, **args) is None
     assert compress_row_scaled(x.bfloat16(), rms, **args) is None
     assert compress_row_scaled(x.transpose(0, 1), rms.transpose(0, 1), **args) is None
 
