@@ -34,6 +34,9 @@ seeds PEFT's draw of ``lora_A``; at zero, A's gradient would be zero and hide th
 ``--mlp-error``: instead, per gated MLP of the unpatched model, the expected relative error that
 4-bit gate/up inputs in groups of 32 tokens put into its input gradient
 (``hf_division.analysis.gated_mlp``), with the token and channel that carry most of it.
+``--first-token``: instead, per layer of the unpatched model, the gradient norm at each row's first
+token over the median real token's at the k_proj, v_proj and input_layernorm outputs
+(``hf_division.analysis.first_token``).
 """
 from __future__ import annotations
 
@@ -47,6 +50,7 @@ import torch
 from hf_division.api import apply_division, remove_division
 from hf_division.config import DivisionConfig
 from hf_division.analysis.fidelity import added_variance, cosine, flat_grad, gradient_fidelity, precision_reference
+from hf_division.analysis.first_token import first_token_gradient
 from hf_division.analysis.gated_mlp import gate_up_error
 from hf_division.analysis.measure import measure_activation_memory
 from hf_division.bench.textdata import causal_lm_batch, glue_sentences, sentence_batch
@@ -114,13 +118,16 @@ def main(argv=None):
     ap.add_argument("--mlp-error", action="store_true",
                     help="instead: per gated MLP, the expected relative error of 4-bit gate/up inputs in groups of "
                          "32 tokens in its input gradient, and the token and channel that carry most of it")
+    ap.add_argument("--first-token", action="store_true",
+                    help="instead: per layer, the gradient norm at each row's first token over the median real token's "
+                         "at the k_proj, v_proj and input_layernorm outputs")
     args = ap.parse_args(argv)
     set_threads()
     tok, model = load_smollm2(args.attn)
-    if args.mlp_error:
+    if args.mlp_error or args.first_token:
         batch = (causal_lm_batch(args.tsv, tok, args.batch, args.seq) if args.sentences is None
                  else _sentence_batch(args, tok, glue_sentences(args.tsv)))
-        return _mlp_error(model, batch)
+        return _mlp_error(model, batch) if args.mlp_error else _first_token(model, batch)
     if args.sentences is not None:
         return _sentences(args, tok, model)
     batch = causal_lm_batch(args.tsv, tok, args.batch, args.seq)
@@ -190,6 +197,14 @@ def _sentences(args, tok, model) -> dict:
         out["added_variance"] = added_variance(model, batches, config, autocast=amp, select=select)
         print(f"added variance over {args.variance} batches of {args.batch}: {out['added_variance']:.1%} of the sampling variance")
     return out
+
+
+def _first_token(model, batch: dict) -> list:
+    rows = first_token_gradient(model.train(), batch)
+    print("layer  first token's gradient norm over the median real token's, at:  k_proj  v_proj  input_layernorm")
+    for r in rows:
+        print(f"{r.layer:5d}  {'':60s}{r.k:6.1f}  {r.v:6.1f}  {r.norm:15.1f}")
+    return rows
 
 
 def _mlp_error(model, batch: dict) -> list:
