@@ -167,7 +167,7 @@ class DivisionConfig:
     exact_tokens: int | None = _field(
         None, "Tokens at the start of every sequence kept exact in every compressed kind ([CLS]: a classifier's "
               "gradient flows through that one row; a decoder's first token: the attention sink, whose key and value "
-              "gather every query's gradient); unset: family default (ViT and gated decoders: 1), else 0.")
+              "gather every query's gradient); unset: family default (ViT: 1), else 0.")
     early_layers: float | None = _field(
         None, "Fraction (0 to 1) of the model's layers, counted from the input, whose activation inputs keep 8 bits "
               "(gated decoders: 0.4; unset: family default; 0: none). Layers that module_bits names keep what it says.")

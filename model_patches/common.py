@@ -21,14 +21,12 @@ DECODER_DEFAULTS = {"attention_bits": 8, "activation_bits": 8}
 #: groups of 32 tokens without an LFC, which on real SmolLM2 cost about the bytes of 4 bits with
 #: the LFC and a fraction of its gradient error, 8 bits in the first 40% and the last 5% of the
 #: layers; Linear inputs (o_proj's) in groups of 32 tokens without an LFC, likewise; norm inputs
-#: (which the q/k/v and gate/up weight gradients read) in groups of 32 tokens with the LFC; each
-#: row's first token (the attention sink, whose k/v gradients gather every query's) kept exact
+#: (which the q/k/v and gate/up weight gradients read) in groups of 32 tokens with the LFC
 #: (docs/DESIGN.md, "Policy"; docs/RESULTS.md, "Real decoder weights: SmolLM2-135M" and "Short
 #: padded texts"). T5, GPT-2 and OPT keep ``DECODER_DEFAULTS``.
 GATED_DECODER_DEFAULTS = {**DECODER_DEFAULTS, "activation_bits": 4, "activation_group_size": 32,
                           "activation_block_size": 1, "early_layers": 0.4, "late_layers": 0.05,
-                          "linear_group_size": 32, "linear_block_size": 1, "norm_group_size": 32,
-                          "exact_tokens": 1}
+                          "linear_group_size": 32, "linear_block_size": 1, "norm_group_size": 32}
 #: BERT-family encoders: no token of real MiniLM's activations reaches the outlier ratio (the bytes
 #: held are the same with and without the search), and the search is one more pass over every
 #: saved tensor: skipped. No LFC: at 4 bits the block means bought no gradient fidelity on real

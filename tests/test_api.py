@@ -207,7 +207,6 @@ def test_unset_bits_take_the_family_default_and_explicit_bits_win():
     assert cfg.resolved("llama").block_size == cfg.effective_block_size == 16  # decoders keep the LFC
     assert DivisionConfig(block_size=8).resolved("bert").effective_block_size == 8
     assert cfg.resolved("vit").exact_tokens == 1 and DivisionConfig(exact_tokens=0).resolved("vit").exact_tokens == 0
-    assert cfg.resolved("llama").exact_tokens == 1 and cfg.resolved("gpt2").exact_tokens == 0  # gated decoders' sinks
     assert DivisionConfig(attention_bits=2).resolved("llama").attention_bits == 2
     assert DivisionConfig(method="actnn-all").resolved("llama").bits("attention") == 2  # capped at 2
     actnn = DivisionConfig(method="actnn").resolved("llama")  # ActNN's scope: Linear inputs only
