@@ -5,8 +5,8 @@ norm at that token over the median real token's, at the outputs of ``k_proj``, `
 Every later query attends to the first token (the "attention sink", Xiao et al., "Efficient
 Streaming Language Models with Attention Sinks", 2023), so its key and value gather the gradient of
 all of them, and an error in what that token's k/v and norm-input codes rebuild is multiplied by
-that gradient. This is why the gated decoders keep it exact (``exact_tokens=1``; docs/DESIGN.md,
-"Policy", "Short padded texts"). One exact forward and backward of the unpatched model.
+that gradient: what ``exact_tokens=1`` would keep exact (docs/DESIGN.md, "Policy", "Short padded
+texts"). One exact forward and backward of the unpatched model.
 """
 from __future__ import annotations
 

@@ -203,19 +203,22 @@ def _as_tokens(x: torch.Tensor, token_dim: int | None) -> tuple[torch.Tensor, La
     return xm.reshape(m, t, c), layout
 
 
-def _split_exact(x3: torch.Tensor, ratio: float, lead: int, static: bool, dtype: torch.dtype, backend: Backend):
+def _split_exact(x3: torch.Tensor, ratio: float, lead: int, static: bool, dtype: torch.dtype, backend: Backend,
+                 scale: torch.Tensor | None = None):
     """``(what is left to encode, Packed fields of the exact rows)``: outlier tokens (scored by
     ``backend``) and the first ``lead`` tokens of each row, at a data-dependent count or, ``static``,
-    at a fixed capacity."""
+    at a fixed capacity. ``scale`` (``(M*T,)``, not ``static``): what a row-scaled encode will divide
+    each token by; the outliers are then those of ``x3 / scale`` and the rows ``(x / s) * s``."""
     if static and (ratio > 0 or lead > 0):
         score = backend.token_absmax(x3) if ratio > 0 else None
         x3, rows, row_index, row_keep = split_static(x3, ratio, lead, dtype, score)
         return x3, dict(rows=rows, row_index=row_index, row_keep=row_keep)
     rows = row_index = None
     if ratio > 0:
-        x3, rows, row_index = split_outliers(x3, ratio, dtype, backend.token_absmax(x3))
+        score = backend.token_absmax(x3) if scale is None else backend.token_absmax(x3) / scale
+        x3, rows, row_index = split_outliers(x3, ratio, dtype, score, scale)
     if lead > 0:
-        x3, rows, row_index = split_leading(x3, lead, dtype, rows, row_index)
+        x3, rows, row_index = split_leading(x3, lead, dtype, rows, row_index, scale)
     return x3, dict(rows=rows, row_index=row_index)
 
 
@@ -244,22 +247,15 @@ def _split_then_encode_scaled(backend: Backend, x3: torch.Tensor, seed, bits: in
                               lfc_dtype: torch.dtype, ratio: float, row_scale: torch.Tensor, lead: int):
     """``(Encoded, exact rows, row scale)`` for ``x3 / row_scale`` with its first ``lead`` tokens
     of each row kept exact: what :func:`_split_exact` then an encode of the divided tensor give,
-    codes and rebuild, with the division inside the encode. The outliers are scored first (a
-    separate pass: they must leave what is encoded before the leading tokens are replaced by
-    their neighbour, as in the divided path); the scale of a replaced token becomes its
-    neighbour's, so the encode divides the copy by the scale it was divided by there."""
-    scale = row_scale.reshape(-1)
-    rows = row_index = None
-    if ratio:
-        row_index = outlier_tokens(x3, ratio, backend.token_absmax(x3) / scale)
-        if row_index is not None:
-            x3, rows = zero_rows(x3, row_index, torch.float32, scale)
-    x3, rows, row_index = split_leading(x3, lead, torch.float32, rows, row_index, scale)
+    codes and rebuild, with the division inside the encode. The outliers are scored before the
+    encode (a separate pass: they must leave what is encoded before the leading tokens are
+    replaced by their neighbour, as in the divided path); the scale of a replaced token becomes
+    its neighbour's, so the encode divides the copy by the scale it was divided by there."""
+    x3, exact = _split_exact(x3, ratio, lead, False, torch.float32, backend, row_scale.reshape(-1))
     s3 = row_scale.reshape(x3.shape[0], x3.shape[1], 1).clone()
     s3[:, :lead] = s3[:, lead : lead + 1]
     s3 = s3.view(row_scale.shape)
-    enc = backend.encode_tokens(x3, seed, bits, block, group, lfc_dtype, s3)
-    return enc, dict(rows=rows, row_index=row_index), s3
+    return backend.encode_tokens(x3, seed, bits, block, group, lfc_dtype, s3), exact, s3
 
 
 def _encode_flat(backend: Backend, x: torch.Tensor, x3: torch.Tensor, layout: Layout | None, seed, bits: int,

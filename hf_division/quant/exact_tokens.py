@@ -10,14 +10,15 @@ import torch
 
 
 
-def split_outliers(x3: torch.Tensor, ratio: float, dtype: torch.dtype, absmax: torch.Tensor | None = None):
+def split_outliers(x3: torch.Tensor, ratio: float, dtype: torch.dtype, absmax: torch.Tensor | None = None,
+                   scale: torch.Tensor | None = None):
     """``(x3 with its outlier tokens zeroed, those tokens in dtype, their index)``; x3 unchanged
     (and no copy) when there are none. ``absmax``: the score, max |x| per token, if a kernel
-    computed it (:func:`token_absmax` otherwise)."""
+    computed it (:func:`token_absmax` otherwise). ``scale``: as in :func:`zero_rows`."""
     row_index = outlier_tokens(x3, ratio, absmax)
     if row_index is None:
         return x3, None, None
-    return (*zero_rows(x3, row_index, dtype), row_index)
+    return (*zero_rows(x3, row_index, dtype, scale), row_index)
 
 
 def zero_rows(x3: torch.Tensor, row_index: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None):
@@ -25,12 +26,17 @@ def zero_rows(x3: torch.Tensor, row_index: torch.Tensor, dtype: torch.dtype, sca
     ``dtype``, or, with ``scale`` (``(M*T,)``, what the encode divides each token by), ``(x / s) * s``:
     what dividing first and multiplying the rebuild gives there (``compress_row_scaled``)."""
     flat = x3.reshape(-1, x3.shape[2])
-    if scale is None:
-        rows = flat[row_index].to(dtype)
-    else:
-        picked = scale[row_index].view(-1, 1)
-        rows = flat[row_index] / picked * picked
+    rows = _exact_rows(flat, row_index, dtype, scale)
     return flat.index_fill(0, row_index, 0.0).view(x3.shape), rows  # a copy: x3 may view the input
+
+
+def _exact_rows(flat: torch.Tensor, index: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None):
+    """The tokens ``index`` of ``flat`` ``(M*T, C)`` as held exact: in ``dtype``, or ``(x / s) * s``
+    with ``scale`` (:func:`zero_rows`)."""
+    if scale is None:
+        return flat[index].to(dtype)
+    picked = scale[index].view(-1, 1)
+    return flat[index] / picked * picked
 
 
 def split_leading(x3: torch.Tensor, k: int, dtype: torch.dtype, rows, row_index, scale: torch.Tensor | None = None):
@@ -44,12 +50,7 @@ def split_leading(x3: torch.Tensor, k: int, dtype: torch.dtype, rows, row_index,
     if row_index is not None:  # outliers already zeroed in x3: take their exact rows from ``rows``
         fresh = ~torch.isin(lead, row_index)
         lead = lead[fresh]
-    new_rows = x3.reshape(-1, c)[lead]
-    if scale is None:
-        new_rows = new_rows.to(dtype)
-    else:
-        picked = scale[lead].view(-1, 1)
-        new_rows = new_rows / picked * picked
+    new_rows = _exact_rows(x3.reshape(-1, c), lead, dtype, scale)
     x3 = x3.clone() if row_index is None else x3  # x3 may view the input
     x3[:, :k] = x3[:, k : k + 1]
     if row_index is None:

@@ -195,7 +195,7 @@ def test_row_scaled_outlier_tokens_are_the_divided_tensors(block):
 
 @pytest.mark.parametrize("block, lead, ratio", [(1, 1, 0.0), (16, 1, 3.0), (16, 3, 3.0), (1, 2, 3.0)])
 def test_row_scaled_leading_tokens_are_the_divided_tensors(block, lead, ratio):
-    # gated decoders keep each row's first token (the attention sink) exact: fused, the same codes,
+    # exact_tokens (ViT's [CLS], a decoder's first token) on norm inputs: fused, the same codes,
     # rows and rebuilt tensor as dividing first, the leading tokens replaced by their neighbour in
     # what is encoded. Token (0, 0) is an outlier and a leading token, token (1, lead) an outlier
     # whose zeroed row the leading tokens copy
