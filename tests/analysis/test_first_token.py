@@ -1,18 +1,11 @@
 """``analysis.first_token.first_token_gradient``: the first token's share of the backward, per layer."""
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_division.analysis.first_token import first_token_gradient
 
 
-def test_ratios_are_the_gradient_norms_at_the_first_token_over_the_median_real_one():
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2)).double().train()
-    ids = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, 15:] = 0
-    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+def test_ratios_are_the_gradient_norms_at_the_first_token_over_the_median_real_one(padded_llama):
+    model, batch = padded_llama(21, 15)
     rows = first_token_gradient(model, batch)
     assert [r.layer for r in rows] == [0, 1]
     # the same figures from the outputs themselves, their gradients taken by autograd.grad
@@ -26,6 +19,6 @@ def test_ratios_are_the_gradient_norms_at_the_first_token_over_the_median_real_o
     dv, dn = torch.autograd.grad(loss, [outs["v"], outs["norm"]])
     for got, g in ((rows[1].v, dv), (rows[1].norm, dn)):
         n = g.norm(dim=-1)
-        want = n[:, 0].median() / n[:, 1:][mask[:, 1:].bool()].median()
+        want = n[:, 0].median() / n[:, 1:][batch["attention_mask"][:, 1:].bool()].median()
         assert abs(got - float(want)) < 1e-6 * float(want)  # float32 norms
     assert all(r.k > 0 and r.v > 0 and r.norm > 0 for r in rows)

@@ -3,20 +3,8 @@ error of actually rounding them stochastically, draw by draw."""
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_division.analysis.gated_mlp import gate_up_error
-
-
-def model_and_batch():
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2)).double().train()
-    ids = torch.randint(0, 97, (2, 45), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, 30:] = 0  # right padding: left out of the ranges
-    labels = ids.masked_fill(mask == 0, -100)
-    return model, {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 def rounded(t, mask, bits, group, gen):
@@ -32,8 +20,8 @@ def rounded(t, mask, bits, group, gen):
     return torch.where(keep, q, tt).reshape(B, -1, C)[:, :T]
 
 
-def test_expected_error_matches_stochastic_rounding():
-    model, batch = model_and_batch()
+def test_expected_error_matches_stochastic_rounding(padded_llama):
+    model, batch = padded_llama(45, 30)  # right padding: left out of the ranges
     mlp = model.model.layers[1].mlp
     got = {}
 
