@@ -89,7 +89,7 @@ GLUE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 
 @pytest.mark.parametrize("extra", [[], ["--profile", "--top", "3"], ["--token-chunks", "4096"],
                                    ["--glue-dir", GLUE, "--task", "mrpc"], ["--model", "tiny-llama"],
-                                   ["--aten-draws", "--control", "--nearest"], ["--model", "tiny-llama", "--generic-norm", "--rebuilt-gated"],
+                                   ["--aten-draws", "--control", "--nearest", "--also-set", '{{"linear_bits": 8}}'], ["--model", "tiny-llama", "--generic-norm", "--rebuilt-gated"],
                                    ["--split", "--rounds", "2", "--json", "{tmp}/times.json"]])
 def test_step_time_suite(extra, capsys, tmp_path):
     chunk = fused.TOKEN_CHUNK
@@ -119,7 +119,7 @@ def test_step_time_suite(extra, capsys, tmp_path):
         rows = {line.split()[0]: float(line.split()[2]) for line in out.splitlines()[2:]}
         chunked = {"division@4096"} if "--token-chunks" in extra else set()
         if "--control" in extra:  # an unpatched copy, and division drawing dropout with ATen's bernoulli_
-            chunked |= {"baseline-copy", "division-aten-draws", "division-nearest"}
+            chunked |= {"baseline-copy", "division-aten-draws", "division-nearest", "division-set"}
             assert native.draws_apply(torch.empty(4), 0.5) == native.draws_match_aten()  # native draws back on
         if "--generic-norm" in extra:  # division with RMSNorm recomputed under autograd, switched back after
             chunked |= {"division-generic-norm", "division-rebuilt-gated"}
@@ -143,6 +143,13 @@ def _split_parts(out: str) -> tuple[str, dict]:
         rows = [line.split() for line in text.splitlines()[1:] if line.strip()]
         parts[name] = {r[0]: (float(r[1]), float(r[2])) for r in rows}
     return head, parts
+
+
+def test_step_time_also_set_names_a_field_the_config_lacks(capsys):
+    with pytest.raises(SystemExit):
+        suites.run("step-time", ["--rounds", "1", "--also-set", '{"late_layer": 0}'])
+    err = capsys.readouterr().err
+    assert "--also-set" in err and "late_layer" in err, err
 
 
 def test_step_time_suite_real_batches_vary_and_bad_task_is_named():

@@ -10,6 +10,7 @@ python -m hf_division.bench step-time --model llama-4l --generic-norm   # also d
 python -m hf_division.bench step-time --model llama-4l --rebuilt-gated   # also division rebuilding gate and up (no fused SiLU kernel)
 python -m hf_division.bench step-time --model llama-4l --plain-rotary   # also division with the rotary embedding under autograd
 python -m hf_division.bench step-time --nearest   # also division rounding to nearest: the floor of any noise generator
+python -m hf_division.bench step-time --also-set '{"late_layers": 0}'   # also division with these config fields changed
 python -m hf_division.bench step-time --control   # also a second unpatched copy of the model: the A/A spread of this run
 python -m hf_division.bench step-time --split   # also the forward (up to the loss) and the backward apart
 python -m hf_division.bench step-time --json docs/results/step_time/NAME.json   # also every round's seconds, per arm
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
 import statistics
 import time
 
@@ -71,6 +73,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--nearest", action="store_true",
                     help="also time division rounding its codes to nearest (division_rounding nearest): "
                          "the step a rounding-noise generator that cost nothing would leave")
+    ap.add_argument("--also-set", type=json.loads, metavar="JSON",
+                    help="also time division with these DivisionConfig fields changed (arm division-set), "
+                         "e.g. '{\"late_layers\": 0}': what a policy costs, in the same rounds")
     ap.add_argument("--control", action="store_true",
                     help="also time an unpatched copy of the model (same work as the baseline): what two identical "
                          "arms read in this run")
@@ -100,6 +105,8 @@ def build_methods(args, dc: DivisionConfig) -> tuple[dict, dict]:
         methods["baseline-copy"] = copy.deepcopy(base)
     if args.nearest:
         methods["division-nearest"] = apply_division(copy.deepcopy(base), dataclasses.replace(dc, rounding="nearest"))
+    if args.also_set:
+        methods["division-set"] = apply_division(copy.deepcopy(base), dataclasses.replace(dc, **args.also_set))
     for flag in SWITCHED_OFF:
         if getattr(args, flag.replace("-", "_")):
             methods[f"division-{flag}"] = methods["division"]
@@ -116,6 +123,11 @@ def main(argv=None):
     if args.task and (not args.glue_dir or get_task(args.task).num_labels != 2):
         ap.error(f"--task {args.task}: needs --glue-dir and a two-label task (the classifier has two labels)")
     (dc,) = HfArgumentParser(DivisionConfig).parse_args_into_dataclasses([a.replace("--division_", "--") for a in rest])
+    if args.also_set:
+        try:
+            dataclasses.replace(dc, **args.also_set)
+        except (TypeError, ValueError) as err:  # an unknown field, or a value the config refuses
+            ap.error(f"--also-set: {err}")
     torch.set_num_threads(args.threads)
     methods, chunks = build_methods(args, dc)
     batches = real_batches(args) if args.task else [random_batch(args.batch, args.seq)]
