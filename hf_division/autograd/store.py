@@ -200,14 +200,16 @@ def bookkeeping(fn: Callable) -> Callable:
     context: this code places every tensor itself). At small sizes that handler outweighed the
     kernels (docs/DESIGN.md, "Mechanism")."""
     if _DISABLE_TORCH_FUNCTION is None:
-        return fn
+        return torch.compiler.disable(fn)
 
     def run(*args, **kwargs):
         with _DISABLE_TORCH_FUNCTION():
             return fn(*args, **kwargs)
 
     run.__name__, run.__doc__, run.__wrapped__ = fn.__name__, fn.__doc__, fn
-    return run
+    # never traced by Dynamo: where it inlines an autograd Function's forward, tracing the registry
+    # (a dict that weak-reference finalizers change at any collection) fails or guards on it
+    return torch.compiler.disable(run)
 
 
 # ----------------------------------------------------------------------------- registry
