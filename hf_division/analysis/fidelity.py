@@ -17,6 +17,18 @@ from hf_division.api import apply_division, remove_division, restored_division
 from hf_division.compress.noise import reseed
 
 
+def hooked_backward(model: torch.nn.Module, batch: dict, handles: list) -> None:
+    """One forward and backward of ``model`` on ``batch`` (gradients zeroed first) for the hooks
+    ``handles`` registered, which are removed afterwards, also when the step fails: how the
+    analyses read what a layer sees (``first_token``, ``gated_mlp``)."""
+    try:
+        model.zero_grad(set_to_none=True)
+        model(**batch).loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def named_grads(model: torch.nn.Module, inputs: dict, seed: int, autocast: torch.dtype | None = None, *,
                 reseed_noise: bool = False, select: Callable[[str], bool] | None = None,
                 noise_seed: int | None = None) -> dict[str, torch.Tensor]:

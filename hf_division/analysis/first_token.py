@@ -14,6 +14,8 @@ import dataclasses
 
 import torch
 
+from hf_division.analysis.fidelity import hooked_backward
+
 #: module name endings whose output gradient is read, in the order of :class:`FirstToken`'s fields
 POINTS = ("self_attn.k_proj", "self_attn.v_proj", "input_layernorm")
 
@@ -40,12 +42,7 @@ def first_token_gradient(model: torch.nn.Module, batch: dict) -> list[FirstToken
             def keep(mod, grad_in, grad_out, key=(int(index), rest)):
                 grads[key] = grad_out[0].detach().float().norm(dim=-1)
             hooks.append(module.register_full_backward_hook(keep))
-    try:
-        model.zero_grad(set_to_none=True)
-        model(**batch).loss.backward()
-    finally:
-        for h in hooks:
-            h.remove()
+    hooked_backward(model, batch, hooks)
     mask = batch.get("attention_mask")
     mask = torch.ones(batch["input_ids"].shape, dtype=torch.bool) if mask is None else mask.bool()
     rest = mask[:, 1:]

@@ -16,6 +16,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from hf_division.analysis.fidelity import hooked_backward
+
 
 @dataclasses.dataclass
 class LayerError:
@@ -72,12 +74,7 @@ def gate_up_error(model, batch: dict, bits: int = 4, group: int = 32) -> list[La
             return hook
         handles += [mlp.gate_proj.register_forward_hook(keep("gate")), mlp.up_proj.register_forward_hook(keep("up")),
                     mlp.down_proj.register_forward_pre_hook(keep("h"))]
-    try:
-        model.zero_grad(set_to_none=True)
-        model(**batch).loss.backward()
-    finally:
-        for h in handles:
-            h.remove()
+    hooked_backward(model, batch, handles)
     mask = batch["attention_mask"].bool()
     return [_layer_error(i, mlp, caught[i], mask, bits, group) for i, mlp in enumerate(mlps)]
 

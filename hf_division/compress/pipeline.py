@@ -215,7 +215,8 @@ def _split_exact(x3: torch.Tensor, ratio: float, lead: int, static: bool, dtype:
         return x3, dict(rows=rows, row_index=row_index, row_keep=row_keep)
     rows = row_index = None
     if ratio > 0:
-        score = backend.token_absmax(x3) if scale is None else backend.token_absmax(x3) / scale
+        score = backend.token_absmax(x3)
+        score = score if scale is None else score / scale
         x3, rows, row_index = split_outliers(x3, ratio, dtype, score, scale)
     if lead > 0:
         x3, rows, row_index = split_leading(x3, lead, dtype, rows, row_index, scale)

@@ -94,8 +94,9 @@ SWITCHED_OFF = {
 }
 
 
-def build_methods(args, dc: DivisionConfig) -> tuple[dict, dict]:
-    """``{arm: model}`` (the variants of division share its model) and ``{arm: compiled chunk size}``."""
+def build_methods(args, dc: DivisionConfig, also: DivisionConfig | None = None) -> tuple[dict, dict]:
+    """``{arm: model}`` (the variants of division share its model) and ``{arm: compiled chunk size}``;
+    ``also``: the config of the ``division-set`` arm (``--also-set``), if any."""
     base = build_classifier(args.model, args.attn)
     methods = {"baseline": base, "division": apply_division(copy.deepcopy(base), dc)}
     ckpt = copy.deepcopy(base)
@@ -105,8 +106,8 @@ def build_methods(args, dc: DivisionConfig) -> tuple[dict, dict]:
         methods["baseline-copy"] = copy.deepcopy(base)
     if args.nearest:
         methods["division-nearest"] = apply_division(copy.deepcopy(base), dataclasses.replace(dc, rounding="nearest"))
-    if args.also_set:
-        methods["division-set"] = apply_division(copy.deepcopy(base), dataclasses.replace(dc, **args.also_set))
+    if also is not None:
+        methods["division-set"] = apply_division(copy.deepcopy(base), also)
     for flag in SWITCHED_OFF:
         if getattr(args, flag.replace("-", "_")):
             methods[f"division-{flag}"] = methods["division"]
@@ -123,13 +124,14 @@ def main(argv=None):
     if args.task and (not args.glue_dir or get_task(args.task).num_labels != 2):
         ap.error(f"--task {args.task}: needs --glue-dir and a two-label task (the classifier has two labels)")
     (dc,) = HfArgumentParser(DivisionConfig).parse_args_into_dataclasses([a.replace("--division_", "--") for a in rest])
+    also = None
     if args.also_set:
         try:
-            dataclasses.replace(dc, **args.also_set)
+            also = dataclasses.replace(dc, **args.also_set)
         except (TypeError, ValueError) as err:  # an unknown field, or a value the config refuses
             ap.error(f"--also-set: {err}")
     torch.set_num_threads(args.threads)
-    methods, chunks = build_methods(args, dc)
+    methods, chunks = build_methods(args, dc, also)
     batches = real_batches(args) if args.task else [random_batch(args.batch, args.seq)]
     if args.profile:
         return profile(methods, batches[0], args.top)
