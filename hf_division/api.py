@@ -44,7 +44,7 @@ def apply_division(model: nn.Module, config: DivisionConfig | None = None) -> nn
     base = unwrap(model)
     model_type = getattr(getattr(base, "config", None), "model_type", None)
     patcher = _patcher(base, model_type, config)
-    config = config.resolved(model_type).with_edge_layers(layer_names(base))
+    config = config.resolved(model_type, getattr(base, "config", None)).with_edge_layers(layer_names(base))
     current = base.__dict__.get(STATE_ATTR)
     if current is not None:
         if current.config == config:

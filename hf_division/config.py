@@ -240,10 +240,11 @@ class DivisionConfig:
             return 0.0
         return DEFAULTS["outlier_ratio"] if self.outlier_ratio is None else float(self.outlier_ratio)
 
-    def resolved(self, model_type: str | None) -> "DivisionConfig":
+    def resolved(self, model_type: str | None, model_config=None) -> "DivisionConfig":
         """This config with every field left at None set to ``model_type``'s default (the
-        defaults its family registered, else :data:`DEFAULTS`)."""
-        family = family_defaults(model_type)
+        defaults its family registered, for ``model_config``'s shape where given, else
+        :data:`DEFAULTS`)."""
+        family = family_defaults(model_type, model_config)
         unset = {k: family.get(k, v) for k, v in DEFAULTS.items() if getattr(self, k) is None}
         return dataclasses.replace(self, **unset) if unset else self
 

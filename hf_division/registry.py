@@ -25,10 +25,12 @@ from typing import Callable, Mapping
 
 @dataclass(frozen=True)
 class Family:
-    """How to patch one architecture: ``apply(model, state)`` and its default config fields."""
+    """How to patch one architecture: ``apply(model, state)``, its default config fields, and
+    ``by_shape(model_config)``: the fields whose default differs again for a model of that shape."""
 
     apply: Callable
     defaults: Mapping = field(default_factory=dict)
+    by_shape: Callable[[object], Mapping] | None = None
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -58,13 +60,15 @@ def _load(model_type: str | None) -> None:
         importlib.import_module(f"{FAMILY_PACKAGE}.{module}")
 
 
-def register(*model_types: str, defaults: Mapping | None = None):
-    """Decorator: register a patcher ``apply(model, state)`` for ``model_types``; returns it."""
+def register(*model_types: str, defaults: Mapping | None = None, by_shape: Callable[[object], Mapping] | None = None):
+    """Decorator: register a patcher ``apply(model, state)`` for ``model_types``; returns it.
+    ``defaults``: the config fields whose measured default differs for them; ``by_shape``: given a
+    model's ``config``, the fields whose default differs again for that model (e.g. by width)."""
     if not model_types:
         raise ValueError("register: name at least one model_type")
 
     def decorate(apply: Callable) -> Callable:
-        family = Family(apply, MappingProxyType(dict(defaults or {})))
+        family = Family(apply, MappingProxyType(dict(defaults or {})), by_shape)
         for model_type in model_types:
             if model_type in _FAMILIES and _FAMILIES[model_type].apply is not apply:
                 raise ValueError(f"hf-division: model_type {model_type!r} is registered twice")
@@ -93,10 +97,15 @@ def fallback() -> Callable | None:
     return _FALLBACK[0] if _FALLBACK else None
 
 
-def family_defaults(model_type: str | None) -> Mapping:
-    """The config fields whose default differs for ``model_type`` (empty if none or unknown)."""
+def family_defaults(model_type: str | None, model_config=None) -> Mapping:
+    """The config fields whose default differs for ``model_type`` (empty if none or unknown); with
+    ``model_config`` (a model's ``config``), also those its family sets for that model's shape."""
     found = family(model_type)
-    return found.defaults if found is not None else {}
+    if found is None:
+        return {}
+    if model_config is None or found.by_shape is None:
+        return found.defaults
+    return MappingProxyType({**found.defaults, **found.by_shape(model_config)})
 
 
 def supported_model_types() -> list[str]:

@@ -27,6 +27,23 @@ DECODER_DEFAULTS = {"attention_bits": 8, "activation_bits": 8}
 GATED_DECODER_DEFAULTS = {**DECODER_DEFAULTS, "activation_bits": 4, "activation_group_size": 32,
                           "activation_block_size": 1, "early_layers": 0.4, "late_layers": 0.05,
                           "linear_group_size": 32, "linear_block_size": 1, "norm_group_size": 32}
+#: Hidden width from which a gated decoder keeps its gate and up inputs at 8 bits in every layer.
+#: Their 4-bit rounding noise reaches every earlier layer's gradient through the MLP's backward, and
+#: on random-init models (Transformers' init, std 0.02) that path weighs more the wider the model:
+#: the whole gradient's cosine with 4-bit middle layers is 0.997-0.998 at widths 576-1024 and
+#: 0.990-0.991 at 1536-2048, the bar itself; at 8 bits the Llama-3.2-1B shape still holds 17x fewer bytes
+#: (docs/DESIGN.md, "Policy", "Wide gated decoders"; docs/RESULTS.md, "The Llama-1B shape's cosine").
+WIDE_GATED_HIDDEN = 1536
+
+
+def gated_by_shape(model_config) -> dict:
+    """The gated decoders' defaults that depend on the model's shape: 8-bit gate and up inputs in
+    every layer from :data:`WIDE_GATED_HIDDEN` wide (the text config's ``hidden_size``)."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    wide = (getattr(text, "hidden_size", None) or 0) >= WIDE_GATED_HIDDEN
+    return {"activation_bits": 8} if wide else {}
+
+
 #: BERT-family encoders: no token of real MiniLM's activations reaches the outlier ratio (the bytes
 #: held are the same with and without the search), and the search is one more pass over every
 #: saved tensor: skipped. No LFC: at 4 bits the block means bought no gradient fidelity on real

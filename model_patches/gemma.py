@@ -3,8 +3,8 @@ from transformers.models.gemma.modeling_gemma import GemmaAttention, GemmaMLP, G
 
 from hf_division.registry import register
 
-from .common import GATED_DECODER_DEFAULTS, gated_decoder_patcher
+from .common import GATED_DECODER_DEFAULTS, gated_by_shape, gated_decoder_patcher
 
-apply_division_to_gemma = register("gemma", defaults=GATED_DECODER_DEFAULTS)(
+apply_division_to_gemma = register("gemma", defaults=GATED_DECODER_DEFAULTS, by_shape=gated_by_shape)(
     gated_decoder_patcher(GemmaRMSNorm, GemmaMLP, attention_type=GemmaAttention)
 )

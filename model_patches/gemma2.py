@@ -3,8 +3,8 @@ from transformers.models.gemma2.modeling_gemma2 import Gemma2Attention, Gemma2ML
 
 from hf_division.registry import register
 
-from .common import GATED_DECODER_DEFAULTS, gated_decoder_patcher
+from .common import GATED_DECODER_DEFAULTS, gated_by_shape, gated_decoder_patcher
 
-apply_division_to_gemma2 = register("gemma2", defaults=GATED_DECODER_DEFAULTS)(
+apply_division_to_gemma2 = register("gemma2", defaults=GATED_DECODER_DEFAULTS, by_shape=gated_by_shape)(
     gated_decoder_patcher(Gemma2RMSNorm, Gemma2MLP, attention_type=Gemma2Attention)
 )

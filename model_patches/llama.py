@@ -3,8 +3,8 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 
 from hf_division.registry import register
 
-from .common import GATED_DECODER_DEFAULTS, gated_decoder_patcher
+from .common import GATED_DECODER_DEFAULTS, gated_by_shape, gated_decoder_patcher
 
-apply_division_to_llama = register("llama", defaults=GATED_DECODER_DEFAULTS)(
+apply_division_to_llama = register("llama", defaults=GATED_DECODER_DEFAULTS, by_shape=gated_by_shape)(
     gated_decoder_patcher(LlamaRMSNorm, LlamaMLP, attention_type=LlamaAttention)
 )

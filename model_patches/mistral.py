@@ -3,8 +3,8 @@ from transformers.models.mistral.modeling_mistral import MistralAttention, Mistr
 
 from hf_division.registry import register
 
-from .common import GATED_DECODER_DEFAULTS, gated_decoder_patcher
+from .common import GATED_DECODER_DEFAULTS, gated_by_shape, gated_decoder_patcher
 
-apply_division_to_mistral = register("mistral", defaults=GATED_DECODER_DEFAULTS)(
+apply_division_to_mistral = register("mistral", defaults=GATED_DECODER_DEFAULTS, by_shape=gated_by_shape)(
     gated_decoder_patcher(MistralRMSNorm, MistralMLP, attention_type=MistralAttention)
 )

@@ -8,8 +8,8 @@ from transformers.models.mixtral.modeling_mixtral import (
 
 from hf_division.registry import register
 
-from .common import GATED_DECODER_DEFAULTS, moe_patcher
+from .common import GATED_DECODER_DEFAULTS, gated_by_shape, moe_patcher
 
-apply_division_to_mixtral = register("mixtral", defaults=GATED_DECODER_DEFAULTS)(
+apply_division_to_mixtral = register("mixtral", defaults=GATED_DECODER_DEFAULTS, by_shape=gated_by_shape)(
     moe_patcher(MixtralRMSNorm, (), MixtralExperts, MixtralTopKRouter, attention_type=MixtralAttention)
 )

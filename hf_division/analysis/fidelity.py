@@ -31,9 +31,10 @@ def hooked_backward(model: torch.nn.Module, batch: dict, handles: list) -> None:
 
 def named_grads(model: torch.nn.Module, inputs: dict, seed: int, autocast: torch.dtype | None = None, *,
                 reseed_noise: bool = False, select: Callable[[str], bool] | None = None,
-                noise_seed: int | None = None) -> dict[str, torch.Tensor]:
-    """Each parameter's gradient of one training step, flattened to float64, by name (arguments as
-    :func:`flat_grad`); parameters without a gradient are left out."""
+                noise_seed: int | None = None, dtype: torch.dtype = torch.float64) -> dict[str, torch.Tensor]:
+    """Each parameter's gradient of one training step, flattened to ``dtype``, by name (arguments as
+    :func:`flat_grad`); parameters without a gradient are left out. ``dtype=torch.float32`` keeps a
+    float32 gradient as it is, at half the memory; the cosines below still add in float64."""
     model.train()
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
@@ -44,7 +45,7 @@ def named_grads(model: torch.nn.Module, inputs: dict, seed: int, autocast: torch
     with amp:
         loss = model(**inputs).loss
     loss.backward()
-    grads = {name: p.grad.flatten().double() for name, p in model.named_parameters()
+    grads = {name: p.grad.flatten().to(dtype, copy=True) for name, p in model.named_parameters()
              if p.grad is not None and (select is None or select(name))}
     model.zero_grad(set_to_none=True)
     return grads
@@ -111,19 +112,22 @@ class Fidelity:
 
 def gradient_fidelity(model, inputs: dict, config: DivisionConfig | None = None, draws: int = 20, *, seed: int = 0,
                       autocast: torch.dtype | None = None, select: Callable[[str], bool] | None = None,
-                      share: float = 0.01) -> Fidelity:
+                      share: float = 0.01, dtype: torch.dtype = torch.float64) -> Fidelity:
     """Division's gradient on ``inputs`` against the exact one (the model unpatched, same dropout
     masks) over ``draws`` rounding-noise draws: the whole-gradient cosine per draw, and per tensor
     the minimum cosine over the draws, for the tensors holding at least ``share`` of the exact
     gradient's norm (the others can point anywhere without moving the step). The model is left
-    patched or not as it was found."""
+    patched or not as it was found. ``dtype``: how the gradients are held between passes
+    (:func:`named_grads`; float32 for a model whose float64 copies would not fit twice in memory)."""
     with restored_division(model) as before:
         remove_division(model)
-        exact = named_grads(model, inputs, seed, autocast, select=select)
+        exact = named_grads(model, inputs, seed, autocast, select=select, dtype=dtype)
         apply_division(model, config or before or DivisionConfig())
         found = Fidelity([], {})
         for draw in range(draws):
-            _add_draw(found, exact, named_grads(model, inputs, seed, autocast, select=select, noise_seed=1000 + draw), share)
+            got = named_grads(model, inputs, seed, autocast, select=select, noise_seed=1000 + draw, dtype=dtype)
+            _add_draw(found, exact, got, share)
+            del got
     return found
 
 
@@ -146,12 +150,24 @@ def _add_draw(found: Fidelity, exact: dict, got: dict, share: float) -> None:
     """One division gradient ``got`` against ``exact`` into ``found``: its whole cosine, each
     carrying tensor's minimum (a missing one counts 0), the tensors without a gradient."""
     found.missing = sorted(set(found.missing) | (set(exact) - set(got)))
-    flat = torch.cat(list(exact.values()))
-    found.whole.append(cosine(flat, torch.cat([got.get(n, torch.zeros_like(g)) for n, g in exact.items()])))
-    norm = flat.norm()
+    # the whole gradient's cosine from per-tensor float64 sums: no flat copy of either gradient
+    dot = exact_sq = got_sq = torch.zeros((), dtype=torch.float64)
+    cosines = {}
     for n, g in exact.items():
-        if g.norm() >= share * norm:
-            c = cosine(g, got[n]) if n in got else 0.0
+        e = g.double()
+        e_sq = e.dot(e)
+        exact_sq = exact_sq + e_sq
+        if n in got:
+            d = got[n].double()
+            d_dot, d_sq = e.dot(d), d.dot(d)
+            dot, got_sq = dot + d_dot, got_sq + d_sq
+            cosines[n] = (e_sq.sqrt(), (d_dot / (e_sq.sqrt() * d_sq.sqrt()).clamp_min(1e-300)).item())
+        else:
+            cosines[n] = (e_sq.sqrt(), 0.0)
+    found.whole.append((dot / (exact_sq.sqrt() * got_sq.sqrt()).clamp_min(1e-300)).item())
+    norm = exact_sq.sqrt()
+    for n, (e_norm, c) in cosines.items():
+        if e_norm >= share * norm:
             found.per_tensor[n] = min(found.per_tensor.get(n, 1.0), c)
 
 

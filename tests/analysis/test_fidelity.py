@@ -62,8 +62,20 @@ def test_precision_reference_is_the_unpatched_autocast_gradient_against_float32(
     hd.remove_division(model)
     exact, half = named_grads(model, batch, 0), named_grads(model, batch, 0, torch.bfloat16)
     flat = torch.cat(list(exact.values()))
-    assert ref.whole == [cosine(torch.cat([half[n] for n in exact]), flat)]
+    # the same float64 cosine, summed tensor by tensor instead of over one flat copy
+    assert ref.whole == pytest.approx([cosine(torch.cat([half[n] for n in exact]), flat)], abs=1e-12)
     assert 0.9 < ref.worst < 1  # bf16 moves the gradient, a little
     flat_half = torch.cat(list(half.values()))  # the carrying tensors: the autocast gradient's
     carrying = {n for n, g in half.items() if g.norm() >= 0.01 * flat_half.norm()}
-    assert ref.per_tensor == {n: cosine(half[n], exact[n]) for n in carrying}
+    assert ref.per_tensor == pytest.approx({n: cosine(half[n], exact[n]) for n in carrying}, abs=1e-12)
+
+
+def test_gradients_held_in_float32_give_the_float64_figures():
+    """A float32 model's gradient is float32: holding it so between passes (half the memory, for a
+    1B model on the CPU) changes no figure, since the sums still run in float64."""
+    model = tiny_model("llama", "sdpa")
+    batch = tiny_batch(batch=2, seq=40, pad_from=[40, 25])
+    wide = gradient_fidelity(model, batch, hd.DivisionConfig(), draws=2)
+    held = gradient_fidelity(model, batch, hd.DivisionConfig(), draws=2, dtype=torch.float32)
+    assert held.whole == wide.whole and held.per_tensor == wide.per_tensor
+    assert all(g.dtype == torch.float32 for g in named_grads(model, batch, 0, dtype=torch.float32).values())

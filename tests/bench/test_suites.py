@@ -129,6 +129,22 @@ def test_cuda_suite_smoke_on_cpu(tmp_path):
         cuda.main(["--device", "cpu", "--shapes", "tiny", "smollm2", "--sizes", "2x48"])
 
 
+def test_shapes_suite_reports_bytes_cosines_and_the_mlp_error(tmp_path, capsys):
+    from hf_division.bench.suites import shapes
+
+    out = tmp_path / "shapes.json"
+    shapes.main(["--shapes", "tiny", "--size", "2x48", "--draws", "2", "--mlp-error", "--threads", "1",
+                 "--set", '{"linear_bits": 8}', "--json", str(out)])
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["shape"] == "tiny" and row["layers"] == 2 and row["activation_bits"] == 4 and row["vocab"] == 8192
+    assert row["fewer"] > 4 and len(row["whole"]) == 2 and row["cosine_min"] == min(row["whole"])
+    assert 0.95 < row["cosine_min"] < 1 and row["tensor_min"] <= row["cosine_min"] + 0.01
+    assert 0 < row["mlp_error"][0] <= row["mlp_error"][1] < 1
+    assert "tiny | 2 | 64 | 4 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        shapes.main(["--shapes", "tiny", "--draws", "0"])
+
+
 def test_noise_draws_keep_the_dropout_masks():
     # noise_seed varies the rounding noise only: without division (no noise) every draw is the
     # seed's exact gradient, with dropout on; with division, draws differ but stay close

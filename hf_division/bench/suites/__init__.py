@@ -29,6 +29,7 @@ SUITES = {
     "budget": ".budget",
     "attention-backward": ".attention_backward",
     "decoder-parity": ".decoder_parity",
+    "shapes": ".shapes",
 }
 
 
