@@ -140,9 +140,19 @@ def test_shapes_suite_reports_bytes_cosines_and_the_mlp_error(tmp_path, capsys):
     assert row["fewer"] > 4 and len(row["whole"]) == 2 and row["cosine_min"] == min(row["whole"])
     assert 0.95 < row["cosine_min"] < 1 and row["tensor_min"] <= row["cosine_min"] + 0.01
     assert 0 < row["mlp_error"][0] <= row["mlp_error"][1] < 1
-    assert "tiny | 2 | 64 | 4 |" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        shapes.main(["--shapes", "tiny", "--draws", "0"])
+    assert row["layout"] == "set" and row["fields"] == {"linear_bits": 8}
+    assert "tiny | set | 2 | 64 | 4 |" in capsys.readouterr().out
+    shapes.main(["--shapes", "tiny", "--size", "2x48", "--draws", "1", "--threads", "1", "--json", str(out),
+                 "--layout", 'eight={"activation_bits": 8}', "--layout",
+                 'four={"activation_bits": 4, "early_layers": 0, "late_layers": 0}'])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["layout"], r["activation_bits"]) for r in rows] == [("eight", 8), ("four", 4)]
+    assert rows[0]["division_mib"] > rows[1]["division_mib"]
+    for bad in (["--draws", "0"], ["--layout", 'x={"activation_bits": 3}'], ["--layout", 'x={"no_such": 1}'],
+                ["--layout", "x"]):
+        with pytest.raises(SystemExit):
+            shapes.main(["--shapes", "tiny", *bad])
+    assert "--layout 'x'" in capsys.readouterr().err
 
 
 def test_noise_draws_keep_the_dropout_masks():

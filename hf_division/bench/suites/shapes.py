@@ -1,7 +1,8 @@
 """Gradient fidelity and bytes of random-init decoder shapes, with the GPU's math, on the CPU.
 
 python -m hf_division.bench shapes [--shapes smollm2 llama-1b ...] [--layers N] [--vocab 8192]
-    [--size 1x512] [--draws 3] [--autocast bf16] [--checkpointing] [--set JSON] [--json out.json]
+    [--size 1x512] [--draws 3] [--autocast bf16] [--checkpointing] [--mlp-error]
+    [--set JSON | --layout NAME=JSON ...] [--json out.json]
 
 Llama-shaped causal LMs with random weights, as the cuda suite builds them (its ``SHAPES``: the
 widths and depths of SmolLM2-135M and -360M, Qwen2.5-0.5B and -1.5B, Qwen3-0.6B and
@@ -19,6 +20,7 @@ Per shape: bytes held for backward by the unpatched model and by division (loss 
 :func:`~hf_division.analysis.measure.account`), the activation inputs' bits division resolved for
 it, the whole float64 gradient cosine to the unpatched model's over ``--draws`` rounding-noise
 draws (min and median) and the lowest per-tensor cosine (tensors holding >= 1% of the norm).
+``--layout``: division with each of these configs, a row each, instead of ``--set``'s one.
 ``--checkpointing``: both arms under Transformers' activation checkpointing. ``--mlp-error``:
 also the expected share of each layer's MLP input gradient that 4-bit gate/up rounding would add
 (:func:`~hf_division.analysis.gated_mlp.gate_up_error`, from the unpatched model), its range over
@@ -89,23 +91,44 @@ def main(argv=None):
     ap.add_argument("--checkpointing", action="store_true", help="both arms under activation checkpointing")
     ap.add_argument("--mlp-error", action="store_true", help="also 4-bit gate/up's expected error per layer")
     ap.add_argument("--set", type=json.loads, default={}, help="DivisionConfig fields as JSON")
+    ap.add_argument("--layout", action="append", default=[], metavar="NAME=JSON",
+                    help="measure division with these DivisionConfig fields too, as rows named NAME (repeatable); "
+                         "given, it replaces --set")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     if args.draws < 1:
         ap.error("--draws: at least 1")
     set_threads(args.threads)
-    config = DivisionConfig(**args.set)
+    layouts = parse_layouts(ap, args.layout or [f"set={json.dumps(args.set)}"])
     rows = []
-    print("shape | layers | hidden | act bits | none MiB | division MiB (fewer) | cosine min / median | "
+    print("shape | layout | layers | hidden | act bits | none MiB | division MiB (fewer) | cosine min / median | "
           "per-tensor min", flush=True)
-    for shape in args.shapes:
+    for shape, (name, fields) in ((s, lay) for s in args.shapes for lay in layouts.items()):
         row = measure(shape, args.layers, args.vocab or None, args.size, args.draws, _AUTOCAST[args.autocast],
-                      config, args.checkpointing, args.mlp_error)
+                      DivisionConfig(**fields), args.checkpointing, args.mlp_error)
+        row.update(layout=name, fields=fields)
         rows.append(row)
-        print(f"{shape} | {row['layers']} | {row['hidden']} | {row['activation_bits']} | {row['none_mib']:.1f} | "
+        print(f"{shape} | {name} | {row['layers']} | {row['hidden']} | {row['activation_bits']} | {row['none_mib']:.1f} | "
               f"{row['division_mib']:.1f} ({row['fewer']:.1f}x) | {row['cosine_min']:.4f} / {row['cosine_median']:.4f} | "
               f"{row['tensor_min']:.4f} ({row['tensor']})"
               + (" | MLP error {:.3f}-{:.3f}".format(*row["mlp_error"]) if args.mlp_error else ""), flush=True)
-        write_json(args.json, {"size": list(args.size), "set": args.set, "rows": rows})
+        write_json(args.json, {"size": list(args.size), "layouts": layouts, "rows": rows})
     return rows
+
+
+def parse_layouts(ap, specs: list[str]) -> dict[str, dict]:
+    """``NAME=JSON`` strings -> ``{name: fields}``, each checked as a DivisionConfig (an error names
+    the layout and the field)."""
+    layouts = {}
+    for spec in specs:
+        name, sep, text = spec.partition("=")
+        try:
+            fields = json.loads(text) if sep else None
+            if not isinstance(fields, dict):
+                raise ValueError("expected NAME={JSON object}")
+            DivisionConfig(**fields)
+        except (ValueError, TypeError) as err:
+            ap.error(f"--layout {spec!r}: {err}")
+        layouts[name] = fields
+    return layouts
