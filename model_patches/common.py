@@ -29,9 +29,9 @@ GATED_DECODER_DEFAULTS = {**DECODER_DEFAULTS, "activation_bits": 4, "activation_
                           "linear_group_size": 32, "linear_block_size": 1, "norm_group_size": 32}
 #: Hidden width from which a gated decoder keeps its gate and up inputs at 8 bits in every layer.
 #: Their 4-bit rounding noise reaches every earlier layer's gradient through the MLP's backward, and
-#: on random-init models (Transformers' init, std 0.02) that path weighs more the wider the model:
-#: the whole gradient's cosine with 4-bit middle layers is 0.997-0.998 at widths 576-1024 and
-#: 0.990-0.991 at 1536-2048, the bar itself; at 8 bits the Llama-3.2-1B shape still holds 17x fewer bytes
+#: on random-init models of published shapes that path weighs more the wider the model: from this
+#: width the 4-bit middle layers put the whole gradient at the cosine bar, below it they keep it
+#: well above, and with 8 bits the wide shapes still save more bytes than the narrow ones
 #: (docs/DESIGN.md, "Policy", "Wide gated decoders"; docs/RESULTS.md, "The Llama-1B shape's cosine").
 WIDE_GATED_HIDDEN = 1536
 
