@@ -127,7 +127,7 @@ def gradient_fidelity(model, inputs: dict, config: DivisionConfig | None = None,
         for draw in range(draws):
             got = named_grads(model, inputs, seed, autocast, select=select, noise_seed=1000 + draw, dtype=dtype)
             _add_draw(found, exact, got, share)
-            del got
+            del got  # before the next draw's copy is made: one copy of the gradient at a time
     return found
 
 
@@ -152,23 +152,23 @@ def _add_draw(found: Fidelity, exact: dict, got: dict, share: float) -> None:
     found.missing = sorted(set(found.missing) | (set(exact) - set(got)))
     # the whole gradient's cosine from per-tensor float64 sums: no flat copy of either gradient
     dot = exact_sq = got_sq = torch.zeros((), dtype=torch.float64)
-    cosines = {}
+    per_tensor = {}
     for n, g in exact.items():
         e = g.double()
-        e_sq = e.dot(e)
-        exact_sq = exact_sq + e_sq
-        if n in got:
-            d = got[n].double()
-            d_dot, d_sq = e.dot(d), d.dot(d)
-            dot, got_sq = dot + d_dot, got_sq + d_sq
-            cosines[n] = (e_sq.sqrt(), (d_dot / (e_sq.sqrt() * d_sq.sqrt()).clamp_min(1e-300)).item())
-        else:
-            cosines[n] = (e_sq.sqrt(), 0.0)
-    found.whole.append((dot / (exact_sq.sqrt() * got_sq.sqrt()).clamp_min(1e-300)).item())
+        d = got[n].double() if n in got else torch.zeros_like(e)
+        e_dot_d, e_sq, d_sq = e.dot(d), e.dot(e), d.dot(d)
+        dot, exact_sq, got_sq = dot + e_dot_d, exact_sq + e_sq, got_sq + d_sq
+        per_tensor[n] = (e_sq.sqrt(), _cosine_of_sums(e_dot_d, e_sq, d_sq))
+    found.whole.append(_cosine_of_sums(dot, exact_sq, got_sq))
     norm = exact_sq.sqrt()
-    for n, (e_norm, c) in cosines.items():
+    for n, (e_norm, c) in per_tensor.items():
         if e_norm >= share * norm:
             found.per_tensor[n] = min(found.per_tensor.get(n, 1.0), c)
+
+
+def _cosine_of_sums(dot: torch.Tensor, a_sq: torch.Tensor, b_sq: torch.Tensor) -> float:
+    """``a.b / (|a| |b|)`` from the float64 sums ``a.b``, ``|a|^2``, ``|b|^2`` (0 where either is 0)."""
+    return (dot / (a_sq.sqrt() * b_sq.sqrt()).clamp_min(1e-300)).item()
 
 
 def seed_fidelity(model, inputs: dict, config: DivisionConfig | None = None, seeds=(0, 1, 2), *,

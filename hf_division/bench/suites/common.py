@@ -17,6 +17,9 @@ from hf_division.config import DivisionConfig
 from hf_division.analysis.fidelity import Fidelity, added_variance, seed_fidelity
 from hf_division.analysis.measure import MemoryReport, measure_activation_memory
 
+#: the suites' ``--autocast`` choices: the dtype a training forward runs under (None: float32)
+AUTOCAST = {"none": None, "bf16": torch.bfloat16}
+
 
 @dataclass
 class Measured:

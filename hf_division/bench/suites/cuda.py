@@ -42,7 +42,7 @@ from hf_division.analysis.measure import account
 from hf_division.bench.peak import step_peak
 from hf_division.bench.textdata import random_tokens
 from hf_division.analysis.timing import interleaved_medians, timed
-from hf_division.bench.suites.common import suite_parser
+from hf_division.bench.suites.common import AUTOCAST, suite_parser
 
 ARMS = ("none", "checkpointing", "offload", "division", "division+checkpointing")
 
@@ -64,7 +64,6 @@ SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=512, rope_theta=10000.0),
 }
-_AUTOCAST = {"none": None, "bf16": torch.bfloat16}
 
 
 def build(shape: str, device: str, seed: int = 0, layers: int | None = None, vocab_size: int | None = None):
@@ -165,7 +164,7 @@ def main(argv=None):
     ap = suite_parser("cuda", __doc__)
     ap.add_argument("--shapes", nargs="+", default=["smollm2", "llama-1b"], choices=list(SHAPES))
     ap.add_argument("--sizes", nargs="+", type=parse_size, default=[(8, 1024), (4, 2048)])
-    ap.add_argument("--autocast", default="bf16", choices=list(_AUTOCAST))
+    ap.add_argument("--autocast", default="bf16", choices=list(AUTOCAST))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--draws", type=int, default=3, help="noise draws of division's cosine (the minimum is reported)")
     ap.add_argument("--quick", action="store_true", help="the first shape only, 3 rounds, 1 draw")
@@ -198,7 +197,7 @@ def run(args, argv) -> list[dict]:
         model = build(shape, args.device)
         batch = {k: v.to(args.device) for k, v in random_tokens(model.config.vocab_size, *size, seed=0).items()}
         batch["labels"] = batch["input_ids"]
-        res = measure(model, batch, _AUTOCAST[args.autocast], args.rounds, args.device, args.draws,
+        res = measure(model, batch, AUTOCAST[args.autocast], args.rounds, args.device, args.draws,
                       DivisionConfig(**args.set))
         rows.append({"shape": shape, "batch": size[0], "seq": size[1], "arms": res})
         print(report(shape, size, res), flush=True)

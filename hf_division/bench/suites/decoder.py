@@ -55,9 +55,8 @@ from hf_division.analysis.gated_mlp import gate_up_error
 from hf_division.analysis.measure import measure_activation_memory
 from hf_division.bench.textdata import causal_lm_batch, glue_sentences, sentence_batch
 from hf_division.bench.zoo import GGUF_FILE, load_smollm2
-from hf_division.bench.suites.common import measure_config, set_threads, suite_parser
+from hf_division.bench.suites.common import AUTOCAST, measure_config, set_threads, suite_parser
 
-_AUTOCAST = {"none": None, "bf16": torch.bfloat16}
 
 
 def lora_model(model, batch: dict, train_steps: int, adapter_seed: int = 0):
@@ -105,7 +104,7 @@ def main(argv=None):
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--attn", default="sdpa", choices=["eager", "sdpa"])
     ap.add_argument("--draws", type=int, default=0, help="rounding-noise draws (seeds 0..N-1); 0: --seeds as before")
-    ap.add_argument("--autocast", default="none", choices=list(_AUTOCAST))
+    ap.add_argument("--autocast", default="none", choices=list(AUTOCAST))
     ap.add_argument("--lora", action="store_true", help="all-linear LoRA r=8 with a non-zero adapter")
     ap.add_argument("--train-steps", type=int, default=0, help="--lora: Adam steps on the batch before measuring")
     ap.add_argument("--adapter-seed", type=int, default=0, help="--lora: seed of lora_A's and lora_B's draws")
@@ -143,7 +142,7 @@ def main(argv=None):
         print("gradient cosine per seed:", " ".join(f"{c:.4f}" for c in m.cosines), f"(min {m.cos_min:.4f})")
         return
     model, select = _adapted(args, model, batch)
-    amp = _AUTOCAST[args.autocast]
+    amp = AUTOCAST[args.autocast]
     with torch.autocast("cpu", dtype=amp) if amp is not None else contextlib.nullcontext():
         _print_memory(measure_activation_memory(model, batch, config))
     cosines = draws(model, batch, config, max(args.draws, 1), amp, select)
@@ -172,7 +171,7 @@ def _sentences(args, tok, model) -> dict:
     """``--sentences``: bytes held and the three fidelity measures on padded sentence batches."""
     sentences = glue_sentences(args.tsv)
     batch = _sentence_batch(args, tok, sentences)
-    config, amp = _config(args), _AUTOCAST[args.autocast]
+    config, amp = _config(args), AUTOCAST[args.autocast]
     model, select = _adapted(args, model, batch)
     real = int(batch["attention_mask"].sum())
     print(f"SmolLM2-135M-Instruct, {args.attn}, sentences {args.sentences}..{args.sentences + args.batch - 1} of "

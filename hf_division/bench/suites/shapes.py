@@ -39,12 +39,11 @@ from hf_division.analysis.fidelity import gradient_fidelity
 from hf_division.analysis.gated_mlp import gate_up_error
 from hf_division.analysis.launches import GPU_SWITCHES
 from hf_division.analysis.measure import account
-from hf_division.bench.suites.common import set_threads, suite_parser, write_json
+from hf_division.bench.suites.common import AUTOCAST, set_threads, suite_parser, write_json
 from hf_division.bench.suites.cuda import SHAPES, build, parse_size
 from hf_division.bench.textdata import random_tokens
 from hf_division.kernels import configured
 
-_AUTOCAST = {"none": None, "bf16": torch.bfloat16}
 
 
 def measure(shape: str, layers: int | None, vocab: int | None, size: tuple[int, int], draws: int, amp,
@@ -87,7 +86,7 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=8192, help="vocabulary size (0: the shape's own)")
     ap.add_argument("--size", type=parse_size, default=(1, 512), help="BATCHxSEQ")
     ap.add_argument("--draws", type=int, default=3)
-    ap.add_argument("--autocast", default="bf16", choices=list(_AUTOCAST))
+    ap.add_argument("--autocast", default="bf16", choices=list(AUTOCAST))
     ap.add_argument("--checkpointing", action="store_true", help="both arms under activation checkpointing")
     ap.add_argument("--mlp-error", action="store_true", help="also 4-bit gate/up's expected error per layer")
     ap.add_argument("--set", type=json.loads, default={}, help="DivisionConfig fields as JSON")
@@ -105,7 +104,7 @@ def main(argv=None):
     print("shape | layout | layers | hidden | act bits | none MiB | division MiB (fewer) | cosine min / median | "
           "per-tensor min", flush=True)
     for shape, (name, fields) in ((s, lay) for s in args.shapes for lay in layouts.items()):
-        row = measure(shape, args.layers, args.vocab or None, args.size, args.draws, _AUTOCAST[args.autocast],
+        row = measure(shape, args.layers, args.vocab or None, args.size, args.draws, AUTOCAST[args.autocast],
                       DivisionConfig(**fields), args.checkpointing, args.mlp_error)
         row.update(layout=name, fields=fields)
         rows.append(row)
