@@ -1,5 +1,11 @@
 import os
 
+# Each pytest-xdist worker is a CPU process that compiles with inductor; by default inductor
+# compiles in a pool of worker processes, which aborted or hung launched CPU processes
+# (docs/GUIDE.md, "Distributed"). In-process compiles: set before torch reads its inductor config,
+# and inherited by every process a test launches.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 import pytest
 import torch
 
@@ -17,6 +23,10 @@ from hf_division.bench.tiny_models import case, pixel_batch, tiny_batch, tiny_co
 # the cores, so workers do not oversubscribe them (a lone run keeps the 2 threads it always had)
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS) if _WORKERS else 2)
+
+#: A launched child's limit in seconds: below pytest's per-test timeout (pyproject.toml), so the
+#: child's own timeout fires first and the failure names its command
+CHILD_TIMEOUT_S = 240
 
 ENCODER_TYPES = ["bert", "roberta", "xlm-roberta", "electra", "distilbert"]
 

@@ -22,6 +22,8 @@ from hf_division.kernels import configured
 from hf_division.kernels import triton_codec as tc
 from hf_division.quant.exact_tokens import split_static
 
+from conftest import CHILD_TIMEOUT_S
+
 pytestmark = [
     pytest.mark.skipif(not tc.available(), reason="Triton is not installed (pip install hf-division[test])"),
     pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -225,7 +227,7 @@ def test_kernels_compile_for_an_h200():
     code = ("from hf_division.kernels.triton_codec import compile_all\n"
             "ptx = compile_all(90)\n"
             "print(len(ptx), [v for v, p in ptx.items() if v.startswith(('encode', 'decode')) and 'fma.rn.f32' in p])")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == f"{len(tc.COMPILED_VARIANTS)} []"

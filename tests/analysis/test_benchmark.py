@@ -12,7 +12,7 @@ import hf_division as hd
 from hf_division.analysis.measure import account, held_bytes
 from hf_division.bench.zoo import build_classifier
 
-from conftest import tiny_batch, tiny_model
+from conftest import CHILD_TIMEOUT_S, tiny_batch, tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "scripts", "benchmark.py")
@@ -62,14 +62,14 @@ def test_accounting_counts_what_checkpointing_and_offloading_hold():
 def test_unknown_model_and_bad_sizes_name_the_option():
     with pytest.raises(ValueError, match="--models"):
         build_classifier("gpt5", "sdpa", "cpu", torch.float32)
-    res = subprocess.run([sys.executable, SCRIPT, "--sizes", "32"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, SCRIPT, "--sizes", "32"], cwd=ROOT, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     assert res.returncode != 0 and "--sizes: expected BATCHxSEQ" in res.stderr, res.stderr[-3000:]
 
 
 def test_quick_run_writes_sane_outputs(tmp_path):
     out = tmp_path / "bench"
     res = subprocess.run([sys.executable, SCRIPT, "--quick", "--models", "tiny-bert", "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+                         cwd=ROOT, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     assert res.returncode == 0, res.stderr[-3000:]
     for name in ("benchmark.json", "benchmark.csv", "tables.md", "peak_vs_batch.png", "time_vs_peak.png"):
         assert (out / name).stat().st_size > 0, name

@@ -16,6 +16,8 @@ from hf_division.bench.glue import (
 from hf_division.integrations.trainer import Trainer
 from hf_division.bench.zoo import minilm_path
 
+from conftest import CHILD_TIMEOUT_S
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GLUE = os.path.join(ROOT, "tests", "fixtures", "glue")
 ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -82,7 +84,7 @@ def test_run_glue_script_with_lora_and_json_args_file(tiny_bert_dir, tmp_path):
     path = tmp_path / "args.json"
     path.write_text(json.dumps(parsed))
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "run_glue.py"), str(path)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, env=ENV)
+                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "out"
     report = json.loads((out / "division_report.json").read_text())
@@ -166,7 +168,7 @@ def test_unmodified_script_runs_with_division(tiny_bert_dir, tmp_path):
     cmd = [sys.executable, *entry, str(script), "--output_dir", str(out), "--max_steps", "2",
            "--per_device_train_batch_size", "8", "--report_to", "none", "--save_strategy", "no",
            "--division", "--division_block_size", "8"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = json.loads((out / "seen.json").read_text())
     assert seen == {"division": True, "block_size": 8, "patched": True, "block_size_used": 8}
@@ -179,7 +181,7 @@ def test_run_without_division_flag_leaves_model_alone(tiny_bert_dir, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "hf_division.integrations.launcher", str(script), "--output_dir", str(out), "--max_steps", "1",
            "--report_to", "none", "--save_strategy", "no"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, env=ENV)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads((out / "seen.json").read_text())["patched"] is False
 

@@ -16,7 +16,7 @@ from hf_division.bench.suites.family import POLICIES
 from hf_division.bench.suites.policy import CANDIDATES, candidates
 from hf_division.bench.zoo import family_model
 
-from conftest import tiny_batch, tiny_model
+from conftest import CHILD_TIMEOUT_S, tiny_batch, tiny_model
 
 OPTIONAL = {"peft": "peft"}  # suite -> the optional package it needs
 
@@ -275,7 +275,7 @@ def test_suites_run_their_children_through_an_existing_module(monkeypatch, tmp_p
     long_context.main(["--tsv", str(tmp_path / "x.tsv"), "--lengths", "128", "--dtypes", "fp32"])
     (args,) = calls
     assert args[:4] == ["-m", "hf_division.bench", "long-context", "--child"]
-    done = subprocess.run([sys.executable, *args[:3], "--help"], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, *args[:3], "--help"], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     assert done.returncode == 0 and "--lengths" in done.stdout, done.stderr[-2000:]
     from hf_division.bench.suites import memory
 

@@ -51,7 +51,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GLUE = os.path.join(ROOT, "tests", "fixtures", "glue")
 SCRIPTS = os.path.join(ROOT, "scripts")
-LAUNCH_TIMEOUT_S = 300
+# conftest's CHILD_TIMEOUT_S, written out: this file is also the launched workers' script, which
+# runs without pytest's conftest. A test launches at most twice, each bounded by its own timeout
+# and the kill after it; pytest's per-test timeout (pyproject.toml) stays the last resort
+LAUNCH_TIMEOUT_S = 240
+pytestmark = pytest.mark.timeout(2 * (LAUNCH_TIMEOUT_S + 60) + 60)
 
 #: The bounds below were set from the worst figures over seeds 0-4 and every run compared (the 8
 #: FSDP cases and the 2 scripts), printed by ``python tests/integrations/test_distributed.py figures``.
@@ -438,7 +442,7 @@ def test_accelerate_loop_single_process_fp32(tiny_dir, tmp_path):
     # Accelerate does not autocast fp16 on CPU (it would train in float32): the script refuses
     proc = subprocess.run([sys.executable, os.path.join(SCRIPTS, "train_accelerate.py"), "--output_dir", str(tmp_path),
                            "--mixed_precision", "fp16", "--glue_dir", GLUE, "--model_name_or_path", tiny_dir],
-                          env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+                          env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, check=False)
     assert proc.returncode != 0 and "fp16 on CPU" in proc.stderr, proc.stderr[-3000:]
 
 

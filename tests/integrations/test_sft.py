@@ -22,6 +22,8 @@ from hf_division.bench.suites.sft import sft_script
 from hf_division.bench.textdata import BUNDLED_SST2_DEV, sft_texts
 from hf_division.integrations.trainer import TRL_TILE_TOKENS, bound_trl_tiles
 
+from conftest import CHILD_TIMEOUT_S
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TEXTS = sft_texts(BUNDLED_SST2_DEV, 48, sentences=(1, 3))
 
@@ -102,7 +104,8 @@ def test_unmodified_trl_script_through_hf_division_run(tmp_path):
             "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no", "--bf16", "false",
             "--output_dir", str(tmp_path / "out"), "--division"]
     env = dict(os.environ, **MALLOC_ENV, **{STEP_LOG_ENV: str(log)}, PYTHONPATH=ROOT)
-    res = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=ROOT)
+    res = subprocess.run(argv, env=env, capture_output=True, text=True, cwd=ROOT,
+                         timeout=CHILD_TIMEOUT_S)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "hf-division: division on" in res.stderr
     records = [json.loads(line) for line in log.read_text().splitlines()]

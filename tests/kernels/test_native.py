@@ -22,6 +22,8 @@ from hf_division.compress.pipeline import compress, compress_row_scaled, decompr
 from hf_division.kernels import configured
 from hf_division.quant.packed import TokenBuffers
 
+from conftest import CHILD_TIMEOUT_S
+
 
 def both(x, **kw):
     """``{native: (Packed, rebuilt)}`` for the native kernels and the eager tensor code."""
@@ -433,7 +435,7 @@ def test_dropout_drawn_as_bits_is_atens_dropout(dtype, p):
 def _vectorized_lines(flags: list) -> set:
     """Source lines whose loops GCC reports vectorized when compiling the kernels with ``flags``."""
     done = subprocess.run(["gcc", *flags, "-fopt-info-vec-optimized", str(native.SOURCE), "-o", "/dev/null"],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-2000:]
     return {int(line.split(":")[1]) for line in done.stderr.splitlines()
             if line.startswith(str(native.SOURCE)) and "loop vectorized" in line}
@@ -671,7 +673,7 @@ def test_ranks_building_at_once_build_once(tmp_path, fake_cc):
         for rank in ranks:
             rank.stdin.write("go\n")
             rank.stdin.flush()
-        outs = [rank.communicate(timeout=300) for rank in ranks]
+        outs = [rank.communicate(timeout=CHILD_TIMEOUT_S) for rank in ranks]
     finally:
         for rank in ranks:
             if rank.poll() is None:

@@ -9,6 +9,7 @@ import sys
 import model_patches
 from hf_division import registry
 
+from conftest import CHILD_TIMEOUT_S
 
 ROWS = r"""
 import importlib, json
@@ -25,7 +26,7 @@ print(json.dumps(rows))
 
 def test_each_module_registers_exactly_its_row():
     """Each module imported in turn, in a fresh process, adds exactly the model types its row names."""
-    res = subprocess.run([sys.executable, "-c", ROWS], capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-c", ROWS], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = json.loads(res.stdout.strip().splitlines()[-1])
     assert rows == {module: sorted(types) for module, types in model_patches.FAMILIES.items()}
@@ -69,7 +70,7 @@ print(json.dumps(out))
 
 
 def test_import_loads_no_modeling_file_and_patching_loads_only_its_own():
-    res = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     assert res.returncode == 0, res.stderr[-2000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out == {"import": [], "public names": [], "patching bert loads": []}
