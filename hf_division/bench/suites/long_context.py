@@ -91,6 +91,9 @@ def plot(rows: list[dict], path: str) -> None:
                 ax.plot(*zip(*pts), marker="o", label=arm)
         ax.set(title=f"SmolLM2-135M, {dtype}: step peak", xlabel="tokens per row (batch 4 <= 512, else 1)",
                ylabel="peak above start of step, MiB", xscale="log")
+        lengths = sorted({r["tokens"] for r in rows if r["dtype"] == dtype})
+        ax.set_xticks(lengths, [str(t) for t in lengths])  # the measured lengths, no log-scale minor labels
+        ax.minorticks_off()
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
