@@ -282,7 +282,7 @@ COMPILED_VARIANTS = {
     "put_rows all kept": ("put_rows", {"out_ptr": "*fp32", "rows_ptr": "*fp32", "index_ptr": "*i64", "keep_ptr": "*i64"},
                           dict(HAS_KEEP=False, BC=64)),
     "score": ("score", {"x_ptr": "*bf16", "score_ptr": "*fp32", "index_ptr": "*i64", "keep_ptr": "*i8",
-                        "count_ptr": "*i32"}, dict(BT=64, BC=32)),
+                        "count_ptr": "*i32"}, dict(C=576, BT=64, BC=32)),
     "select": ("select", {"score_ptr": "*fp32", "slot_ptr": "*i32", "index_ptr": "*i64", "keep_ptr": "*i8",
                           "count_ptr": "*i32", "ratio": "fp32"}, dict(SAMPLE=SAMPLE, BT=1024)),
 }

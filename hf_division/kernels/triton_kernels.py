@@ -235,10 +235,11 @@ def put_rows_kernel(out_ptr, rows_ptr, index_ptr, keep_ptr, C, HAS_KEEP: tl.cons
 
 
 @triton.jit
-def score_kernel(x_ptr, sm, st, sc, T, C, n, score_ptr, index_ptr, keep_ptr, count_ptr, k,
+def score_kernel(x_ptr, sm, st, sc, T, C: tl.constexpr, n, score_ptr, index_ptr, keep_ptr, count_ptr, k,
                  BT: tl.constexpr, BC: tl.constexpr):
     """Max |x| per token (float32; the outlier search's score), and the exact rows' bookkeeping
-    cleared: no slot taken, none kept."""
+    cleared: no slot taken, none kept. ``C`` is a compile-time constant (one compile per width):
+    Triton 3.6's interpreter cannot loop to a runtime bound with NumPy 2.4."""
     pid = tl.program_id(0)
     tok = pid * BT + tl.arange(0, BT)
     ok = tok < n
