@@ -4,12 +4,19 @@
 #   bash scripts/gpu_session.sh            # at most 9 minutes (the device tool's limit per call is 10)
 #   QUICK=1 bash scripts/gpu_session.sh    # the suite's --quick: about 4 minutes
 #   SET='{"linear_group_size": 32, "linear_block_size": 1}' bash scripts/gpu_session.sh   # division's config
-# Runs from the checkout (PYTHONPATH=.); needs torch with CUDA, Triton, Transformers, peft.
+# Runs from the checkout (PYTHONPATH=.); needs torch with CUDA, Triton, Transformers >= 5.23, peft.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-gpu_out}"
 mkdir -p "$OUT"
 export PYTHONPATH=.
+# wheels carried in .whl come first: the lent machines' Transformers (5.17) is older than the
+# package's floor (docs/GUIDE.md, "On a GPU")
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "installing .whl failed"; exit 1; }
+  export PYTHONPATH=/tmp/site:.
+fi
 python - <<'PY' 2>&1 | tee "$OUT/versions.txt"
 import torch, transformers, triton
 print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__,

@@ -276,3 +276,18 @@ def test_bookkeeping_runs_outside_torch_function_modes():
         assert not seen and packed.bits == 4
         _ = x * 2
     assert seen == ["__mul__"] or seen == ["mul"], seen
+
+
+@pytest.mark.parametrize("version", ["5.17.0", "5.22.2", "4.57.1", "5.0.0rc3"])
+def test_older_transformers_refused_naming_both_versions(version):
+    from hf_division.patching import MIN_TRANSFORMERS, check_transformers
+
+    with pytest.raises(ImportError, match=rf"Transformers >= {MIN_TRANSFORMERS[0]}\.{MIN_TRANSFORMERS[1]}, found {version}"):
+        check_transformers(version)
+
+
+@pytest.mark.parametrize("version", ["5.23.0", "5.25.0", "5.30.0.dev0", "6.0.0"])
+def test_supported_transformers_accepted(version):
+    from hf_division.patching import check_transformers
+
+    check_transformers(version)
