@@ -1,10 +1,12 @@
 import os
 
-# Each pytest-xdist worker is a CPU process that compiles with inductor; by default inductor
-# compiles in a pool of worker processes, which aborted or hung launched CPU processes
-# (docs/GUIDE.md, "Distributed"). In-process compiles: set before torch reads its inductor config,
-# and inherited by every process a test launches.
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# Each pytest-xdist worker is one of several processes that compile with inductor; by default
+# inductor compiles in a pool of worker processes, which aborted or hung multi-process CPU runs
+# (docs/GUIDE.md, "Distributed"). The workers compile in-process: set before torch reads its
+# inductor config, and inherited by every process a test launches. A lone run (a GPU machine's
+# tests/test_cuda.py) keeps the pool.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import pytest
 import torch
