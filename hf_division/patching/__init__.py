@@ -3,9 +3,8 @@ Transformers' attention interface; ``model_patches`` builds its families from th
 
 Importing any of them checks the Transformers version first (:func:`check_transformers`).
 """
-import re
-
 import transformers
+from packaging.version import Version
 
 #: The first Transformers whose ``GradientCheckpointingLayer`` checkpoints inside ``forward`` (a
 #: wrapper set on the class, the plain ``forward`` as its ``__wrapped__``, which
@@ -17,8 +16,7 @@ MIN_TRANSFORMERS = (5, 23)
 
 def check_transformers(version: str) -> None:
     """An ImportError naming both versions where ``version`` is older than :data:`MIN_TRANSFORMERS`."""
-    found = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
-    if found < MIN_TRANSFORMERS:
+    if Version(version).release[:2] < MIN_TRANSFORMERS:
         need = ".".join(map(str, MIN_TRANSFORMERS))
         raise ImportError(f"hf-division needs Transformers >= {need}, found {version}: "
                           f"pip install 'transformers>={need},<6'")
