@@ -31,7 +31,10 @@ from hf_division.kernels.switches import switches
 NAME = "apply_rotary_pos_emb"
 
 _inside = contextvars.ContextVar("hf_division_rotary", default=False)
-_lock = threading.Lock()
+# Reentrant: uninstall also runs as a finalizer (a patched model collected), and a collection can
+# start at any allocation in the thread that holds the lock, install's probes included; with a
+# plain lock that thread would wait for itself.
+_lock = threading.RLock()
 _installed: dict = {}  # (module name, function name) -> [original, wrapper, users]
 _checked: dict = {}  # original function -> whether it matched the kernel on the probes
 
@@ -129,13 +132,14 @@ def install(module, name: str = NAME) -> bool:
     key = (module.__name__, name)
     with _lock:
         entry = _installed.get(key)
-        if entry is None:
-            original = getattr(module, name, None)
-            if not callable(original) or not matches(original):
-                return False
-            entry = _installed[key] = [original, _wrap(original), 0]
-            setattr(module, name, entry[1])
-        entry[2] += 1
+        if entry is not None:
+            entry[2] += 1  # before anything that allocates: an uninstall run meanwhile sees this user
+            return True
+        original = getattr(module, name, None)
+        if not callable(original) or not matches(original):
+            return False
+        entry = _installed[key] = [original, _wrap(original), 1]
+        setattr(module, name, entry[1])
     return True
 
 

@@ -1,6 +1,7 @@
 """The rotary embedding as one native pass each way (hf_division.autograd.rotary): Transformers' values to the
 bit, taken only in a patched attention module's training forward, and put back when unpatched."""
 import gc
+import threading
 import types
 
 import pytest
@@ -184,3 +185,28 @@ def test_second_derivatives_through_the_kernel_raise_naming_hf_division():
     out_q, _ = rotary.RotaryFn.apply(q, k, cos, sin)
     with pytest.raises(RuntimeError, match="hf-division"):
         torch.autograd.grad(out_q.square().sum(), q, create_graph=True)
+
+
+def test_an_uninstall_run_by_a_finalizer_inside_install_does_not_deadlock(monkeypatch):
+    """A patched model collected while another model installs: its finalizer runs ``uninstall`` in
+    the installing thread, from whatever allocation started the collection (the probes' tensors).
+    With a non-reentrant lock the thread waited for itself (a CI worker hung so)."""
+    first, second = types.ModuleType("hfd_rotary_first"), types.ModuleType("hfd_rotary_second")
+    for module in (first, second):
+        module.apply_rotary_pos_emb = lambda q, k, cos, sin: (q, k)
+    monkeypatch.setattr(rotary, "matches", lambda fn: True)
+    assert rotary.install(first) and rotary.users(first) == 1
+
+    def first_collected_meanwhile(fn):
+        rotary.uninstall(first)  # what the collected model's patch state's finalizer calls
+        return True
+
+    monkeypatch.setattr(rotary, "matches", first_collected_meanwhile)
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: rotary.install(second) and done.set(), daemon=True)
+    worker.start()
+    worker.join(30)
+    assert done.is_set(), "install waited for itself: uninstall, run inside it, took the same lock"
+    assert rotary.users(first) == 0 and rotary.users(second) == 1
+    rotary.uninstall(second)
+    assert rotary.users(second) == 0 and second.apply_rotary_pos_emb.__name__ == "<lambda>"
