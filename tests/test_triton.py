@@ -219,6 +219,41 @@ def test_seeds_drawn_in_blocks_follow_the_generator():
     assert seeds(torch.Generator().manual_seed(6), 4) != first[:4]
 
 
+def test_seed_blocks_kept_without_weak_references_to_generators(monkeypatch):
+    """PyTorch 2.11 (the lent GPU machines') takes no weak reference to a ``torch.Generator``: the
+    blocks are kept by id, each with its generator, so an entry left under the id by another
+    generator is not read, and past ``KEPT_BLOCKS`` the oldest is dropped and drawn anew."""
+    import weakref
+    from hf_division.compress import noise
+
+    real_ref = weakref.ref
+
+    def ref(obj, *callback):  # what 2.11 does
+        if isinstance(obj, torch.Generator):
+            raise TypeError("cannot create weak reference to 'torch._C.Generator' object")
+        return real_ref(obj, *callback)
+
+    monkeypatch.setattr(weakref, "ref", ref)
+    monkeypatch.setattr(noise, "_blocks", {})
+    monkeypatch.setattr(noise, "KEPT_BLOCKS", 2)
+    cpu = torch.device("cpu")
+
+    def block(seed, n):  # the n-th block a generator seeded with ``seed`` draws
+        gen = torch.Generator().manual_seed(seed)
+        return [torch.randint(0, 2**32, (noise.SEED_BLOCK,), dtype=torch.int64, generator=gen) for _ in range(n)][-1]
+
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    assert [int(noise.tensor_seed(cpu, g, blocks=True)) for g in gens] == [int(block(i, 1)[0]) for i in range(3)]
+    assert len(noise._blocks) == 2 and id(gens[0]) not in noise._blocks
+    assert int(noise.tensor_seed(cpu, gens[2], blocks=True)) == int(block(2, 1)[1])  # kept: the next seed
+    assert int(noise.tensor_seed(cpu, gens[0], blocks=True)) == int(block(0, 2)[0])  # dropped: a new block
+    other = torch.Generator().manual_seed(9)
+    stale = {"seeds": torch.zeros(noise.SEED_BLOCK, dtype=torch.int64), "next": 0, "mark": noise._mark(gens[1]),
+             "captured": False}
+    noise._blocks[id(gens[1])] = (other, stale)  # as if another generator had had this id
+    assert int(noise.tensor_seed(cpu, gens[1], blocks=True)) == int(block(1, 2)[0])
+
+
 def test_kernels_compile_for_an_h200():
     """Every kernel compiles to sm_90 PTX and a cubin (no GPU needed; a process without the
     interpreter), with no multiply-add fused where the reference rounds each product: what the

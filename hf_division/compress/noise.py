@@ -119,7 +119,13 @@ def generator(device: torch.device) -> torch.Generator:
 
 #: seeds drawn at once for a tensor off the CPU (docs/DESIGN.md, "On a GPU")
 SEED_BLOCK = 256
-_blocks: "weakref.WeakKeyDictionary[torch.Generator, dict]" = weakref.WeakKeyDictionary()
+#: generators whose seed blocks are kept (the oldest is dropped past this; it draws a new block
+#: when it is next used)
+KEPT_BLOCKS = 64
+# id(generator) -> (generator, its block). Not a WeakKeyDictionary: torch.Generator takes weak
+# references from PyTorch 2.13 on, and the lent GPU machines run 2.11 (docs/GUIDE.md, "On a GPU").
+# The generator is held with its block, so that an id is never read for another generator.
+_blocks: dict[int, tuple[torch.Generator, dict]] = {}
 
 
 def tensor_seed(device: torch.device, gen: torch.Generator | None, blocks: bool) -> torch.Tensor:
@@ -134,10 +140,14 @@ def tensor_seed(device: torch.device, gen: torch.Generator | None, blocks: bool)
     if not blocks or gen is None:
         return noise_seed(device, gen)
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    block = _blocks.get(gen)
-    if block is None or block["next"] >= SEED_BLOCK or block["mark"] != _mark(gen) or block["captured"] != capturing:
+    held, block = _blocks.get(id(gen), (None, None))
+    if held is not gen or block["next"] >= SEED_BLOCK or block["mark"] != _mark(gen) or block["captured"] != capturing:
         seeds = torch.randint(0, 2**32, (SEED_BLOCK,), dtype=torch.int64, generator=gen, device=gen.device).to(device)
-        block = _blocks[gen] = {"seeds": seeds, "next": 0, "mark": _mark(gen), "captured": capturing}
+        block = {"seeds": seeds, "next": 0, "mark": _mark(gen), "captured": capturing}
+        _blocks.pop(id(gen), None)
+        while len(_blocks) >= KEPT_BLOCKS:
+            _blocks.pop(next(iter(_blocks)), None)
+        _blocks[id(gen)] = (gen, block)
     seed = block["seeds"][block["next"]]
     block["next"] += 1
     return seed
