@@ -61,6 +61,22 @@ def test_compiled_model_with_division(model_type, wrap_first, monkeypatch):
     assert packed == []
 
 
+def test_root_forward_checks_for_new_or_lost_modules_outside_the_trace(monkeypatch):
+    """The patched root forward's check for modules added or replaced since patching runs eagerly:
+    traced by PyTorch 2.11's Dynamo it re-recorded division's own wrappers as the forwards to
+    restore, and after ``remove_division`` the model still compressed (the test above, on 2.11)."""
+    from hf_division.patching import primitives
+    seen = []
+    forget = primitives.forget_lost
+    monkeypatch.setattr(primitives, "forget_lost", lambda state: seen.append(torch.compiler.is_compiling()) or forget(state))
+    model = tiny_model("bert", "sdpa").train()
+    hd.apply_division(model)
+    torch._dynamo.reset()
+    torch.compile(model, backend="aot_eager")(**tiny_batch(batch=2, seq=32)).loss.backward()
+    torch._dynamo.reset()
+    assert seen and not any(seen)
+
+
 def test_compiled_inductor(monkeypatch):
     model = tiny_model("llama", "sdpa").train()
     batch = tiny_batch(batch=2, seq=32)

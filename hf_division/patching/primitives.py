@@ -206,14 +206,23 @@ def patch_root(state: PatchState, model: nn.Module, repatch) -> None:
         def forward(self, *args, **kwargs):
             if not in_training(self):
                 return orig(*args, **kwargs)
-            if sum(1 for _ in self.modules()) != state.n_modules or forget_lost(state):
-                repatch()
+            _refresh(state, self, repatch)
             with model_stream(self), padding_of(kwargs.get("attention_mask")), ForwardMode(config.dropout_bits):
                 return orig(*args, **kwargs)
 
         return forward
 
     wrap_forward(state, model, make)
+
+
+@torch.compiler.disable
+def _refresh(state: PatchState, model: nn.Module, repatch) -> None:
+    """Patch what was added or lost since (:func:`patch_root`). Run eagerly under ``torch.compile``:
+    traced by Dynamo (PyTorch 2.11), the wrappers' marks read through ``module.__dict__`` came out
+    missing, every record was dropped and re-made over our own wrappers, and ``remove_division``
+    then left them in place (``tests/test_compile.py``)."""
+    if sum(1 for _ in model.modules()) != state.n_modules or forget_lost(state):
+        repatch()
 
 
 def patch_checkpointing(state: PatchState, model: nn.Module) -> None:
