@@ -234,7 +234,8 @@ def test_seed_blocks_kept_without_weak_references_to_generators(monkeypatch):
         return real_ref(obj, *callback)
 
     monkeypatch.setattr(weakref, "ref", ref)
-    monkeypatch.setattr(noise, "_blocks", {})
+    kept = {}
+    monkeypatch.setattr(noise, "_blocks", kept)
     monkeypatch.setattr(noise, "KEPT_BLOCKS", 2)
     cpu = torch.device("cpu")
 
@@ -242,16 +243,17 @@ def test_seed_blocks_kept_without_weak_references_to_generators(monkeypatch):
         gen = torch.Generator().manual_seed(seed)
         return [torch.randint(0, 2**32, (noise.SEED_BLOCK,), dtype=torch.int64, generator=gen) for _ in range(n)][-1]
 
+    def draw(gen):
+        return int(noise.tensor_seed(cpu, gen, blocks=True))
+
     gens = [torch.Generator().manual_seed(i) for i in range(3)]
-    assert [int(noise.tensor_seed(cpu, g, blocks=True)) for g in gens] == [int(block(i, 1)[0]) for i in range(3)]
-    assert len(noise._blocks) == 2 and id(gens[0]) not in noise._blocks
-    assert int(noise.tensor_seed(cpu, gens[2], blocks=True)) == int(block(2, 1)[1])  # kept: the next seed
-    assert int(noise.tensor_seed(cpu, gens[0], blocks=True)) == int(block(0, 2)[0])  # dropped: a new block
-    other = torch.Generator().manual_seed(9)
-    stale = {"seeds": torch.zeros(noise.SEED_BLOCK, dtype=torch.int64), "next": 0, "mark": noise._mark(gens[1]),
-             "captured": False}
-    noise._blocks[id(gens[1])] = (other, stale)  # as if another generator had had this id
-    assert int(noise.tensor_seed(cpu, gens[1], blocks=True)) == int(block(1, 2)[0])
+    assert [draw(g) for g in gens] == [int(block(i, 1)[0]) for i in range(3)]
+    assert len(kept) == 2 and id(gens[0]) not in kept
+    assert draw(gens[2]) == int(block(2, 1)[1])  # kept: the block's next seed
+    assert draw(gens[0]) == int(block(0, 2)[0])  # dropped: a new block
+    assert draw(gens[1]) == int(block(1, 2)[0])
+    kept[id(gens[1])] = (torch.Generator().manual_seed(9), kept[id(gens[1])][1])  # another generator had this id
+    assert draw(gens[1]) == int(block(1, 3)[0])
 
 
 def test_kernels_compile_for_an_h200():
