@@ -1,4 +1,5 @@
 """Public API, bad input, sharing, PEFT."""
+import re
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -291,3 +292,18 @@ def test_supported_transformers_accepted(version):
     from hf_division.patching import check_transformers
 
     check_transformers(version)
+
+
+@pytest.mark.parametrize("version", ["2.10.1+cpu", "2.4.0", "2.9.1+cu128", "1.13.1"])
+def test_older_torch_refused_naming_both_versions(version):
+    from hf_division.patching import MIN_TORCH, check_torch
+
+    with pytest.raises(ImportError, match=rf"PyTorch >= {MIN_TORCH[0]}\.{MIN_TORCH[1]}, found {re.escape(version)}"):
+        check_torch(version)
+
+
+@pytest.mark.parametrize("version", ["2.11.0+cu130", "2.13.0+cpu", "2.14.1", "2.15.0.dev20261201"])
+def test_supported_torch_accepted(version):
+    from hf_division.patching import check_torch
+
+    check_torch(version)
