@@ -1,55 +1,81 @@
-"""Where a division step's GPU time goes, and whether bigger compiled chunks help.
+"""Where a step's time goes on a GPU, per arm: launch-bound or kernel-bound, and which kernels.
 
-OUT=dir python scripts/cuda_profile.py      (PROBE_DEV=cpu: a tiny model on the CPU, to check the script)
+OUT=dir python scripts/cuda_profile.py                 (PROBE_DEV=cpu: a tiny model on the CPU, to check the script)
+OUT=dir ARMS="none division" SHAPE=llama-1b SIZE=4x2048 python scripts/cuda_profile.py
 
-SmolLM2-135M's shape (random init, ``hf_division.bench.suites.cuda.build``), 8 x 1024 random tokens,
-bf16 autocast. Prints and writes ``$OUT/probe.json``: median warm step seconds of ``none`` and
-``division`` (eager compressor), the kernel launches and aten calls of one division step (torch
-profiler; the tables in ``$OUT/profile.txt``), and the compiled compressor's warm-up and step
-time with token chunks of 2^20 (the default) and 2^24 elements. docs/RESULTS.md, "On a GPU".
+A random-init model of ``SHAPE``'s shape (``hf_division.bench.suites.cuda.build``; default SmolLM2-135M's,
+8 x 1024 random tokens), bf16 autocast, the compressor's default kernels (Triton's on a GPU). For each arm:
+the median warm step (5 steps after 2 warm-up), then one step under the torch profiler: its kernel launches,
+the GPU's kernel time summed, that time's share of the step (near 1: the GPU is busy, the kernels decide;
+well below 1: the GPU waits for the host's launches), its aten calls, and its 15 costliest kernels. Prints
+and writes ``$OUT/profile.json``; the profiler's tables go to ``$OUT/profile_<arm>.txt``. What it is for:
+docs/GUIDE.md, "On a GPU" (``scripts/gpu_session.sh`` runs it after the table).
 """
-import json, os, sys, time
-import torch
-from hf_division.kernels import compiled as fused, configure
-from hf_division.bench.suites.cuda import build, set_arm, step_fn
-from hf_division.bench.textdata import random_tokens
-from hf_division.analysis.timing import timed
+import json
+import os
 import statistics
 
-out = os.environ["OUT"]
+import torch
+from torch.autograd import DeviceType
+
+from hf_division.analysis.timing import timed
+from hf_division.bench.suites.cuda import build, parse_size, set_arm, step_fn
+from hf_division.bench.textdata import random_tokens
+
+OUT = os.environ["OUT"]
 DEV = os.environ.get("PROBE_DEV", "cuda")
-SHAPE, (B, T) = ("smollm2", (8, 1024)) if DEV == "cuda" else ("tiny", (2, 64))
-model = build(SHAPE, DEV)
-b = {k: v.to(DEV) for k, v in random_tokens(model.config.vocab_size, B, T, 0).items()}
-b["labels"] = b["input_ids"]
-step = step_fn(model, b, torch.bfloat16, DEV)
-res = {}
+SHAPE = os.environ.get("SHAPE", "smollm2" if DEV == "cuda" else "tiny")
+B, T = parse_size(os.environ.get("SIZE", "8x1024" if DEV == "cuda" else "2x64"))
+ARMS = os.environ.get("ARMS", "none division division+checkpointing").split()
 
-def med(n=5):
-    return statistics.median(timed(step, DEV) for _ in range(n))
 
-for arm in ["none", "division"]:
-    configure(compile=False)
-    set_arm(model, arm); step(); step()
-    res[f"{arm} eager"] = med()
-    if arm == "division":
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if DEV == "cuda" else [])) as p:
-            step()
-        ka = p.key_averages()
-        with open(f"{out}/profile.txt", "w") as f:
-            f.write(ka.table(sort_by="cuda_time_total" if DEV == "cuda" else "cpu_time_total", row_limit=30))
-            f.write("\n\nby count\n" + ka.table(sort_by="count", row_limit=20))
-        res["kernels"] = sum(e.count for e in ka if e.device_type == torch.autograd.DeviceType.CUDA)
-        res["aten_calls"] = sum(e.count for e in ka if e.key.startswith("aten::"))
-    print(res, flush=True)
+def profiled(step) -> dict:
+    """One step under the profiler: launches, kernel time and aten calls, and the costliest kernels."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if DEV == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        step()
+        if DEV == "cuda":
+            torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    top = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:15]
+    return {
+        "launches": sum(e.count for e in kernels),
+        "kernel_ms": sum(e.self_device_time_total for e in kernels) / 1e3,
+        "aten_calls": sum(e.count for e in events if e.key.startswith("aten::")),
+        "top": [{"kernel": e.key[:120], "count": e.count, "ms": round(e.self_device_time_total / 1e3, 3)} for e in top],
+        "table": events.table(sort_by="self_device_time_total" if DEV == "cuda" else "self_cpu_time_total", row_limit=40),
+    }
 
-for chunk in [1 << 20, 1 << 24]:
-    configure(compile=True)
-    fused.TOKEN_CHUNK = chunk
-    fused.compiled.cache_clear(); torch._dynamo.reset()
-    set_arm(model, "division")
-    t0 = time.perf_counter(); step(); step()
-    res[f"division compiled chunk {chunk} warmup_s"] = time.perf_counter() - t0
-    res[f"division compiled chunk {chunk}"] = med()
-    print(res, flush=True)
-json.dump(res, open(f"{out}/probe.json", "w"), indent=1)
+
+def main() -> dict:
+    model = build(SHAPE, DEV)
+    batch = {k: v.to(DEV) for k, v in random_tokens(model.config.vocab_size, B, T, 0).items()}
+    batch["labels"] = batch["input_ids"]
+    step = step_fn(model, batch, torch.bfloat16, DEV)
+    res = {"shape": SHAPE, "size": [B, T], "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
+           "torch": torch.__version__, "arms": {}}
+    for arm in ARMS:
+        set_arm(model, arm)
+        step(), step()
+        step_s = statistics.median(timed(step, DEV) for _ in range(5))
+        prof = profiled(step)
+        with open(os.path.join(OUT, f"profile_{arm.replace('+', '_')}.txt"), "w") as f:
+            f.write(prof.pop("table"))
+        prof["step_ms"] = step_s * 1e3
+        prof["gpu_busy"] = prof["kernel_ms"] / prof["step_ms"]
+        res["arms"][arm] = prof
+        print(f"{arm}: step {prof['step_ms']:.1f} ms, {prof['launches']} launches, kernels {prof['kernel_ms']:.1f} ms "
+              f"(busy {prof['gpu_busy']:.2f}), {prof['aten_calls']} aten calls", flush=True)
+        for row in prof["top"][:8]:
+            print(f"    {row['ms']:8.2f} ms  x{row['count']:<5} {row['kernel']}", flush=True)
+    set_arm(model, "none")
+    with open(os.path.join(OUT, "profile.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (docs/GUIDE.md, "On a GPU"): the GPU's guarantees, then the
 # side-by-side table, each under its own time limit, logs and JSON under $OUT (default ./gpu_out).
-#   bash scripts/gpu_session.sh            # at most 9 minutes (the device tool's limit per call is 10)
+#   bash scripts/gpu_session.sh            # at most LIMIT seconds, 585 (the device tool's limit per call is 600)
 #   QUICK=1 bash scripts/gpu_session.sh    # the suite's --quick: about 4 minutes
 #   SET='{"linear_group_size": 32, "linear_block_size": 1}' bash scripts/gpu_session.sh   # division's config
 # Runs from the checkout (PYTHONPATH=.); needs torch with CUDA, Triton, Transformers >= 5.23, peft.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-gpu_out}"
+export OUT="${OUT:-gpu_out}"
 mkdir -p "$OUT"
+LIMIT="${LIMIT:-585}"
+left() { echo $(( LIMIT - SECONDS )); }  # what a step after the table may take (bash's SECONDS: since start)
 export PYTHONPATH=.
 # wheels carried in .whl come first: the lent machines' Transformers (5.17) is older than the
 # package's floor (docs/GUIDE.md, "On a GPU")
@@ -29,6 +31,9 @@ ARGS=(--out "$OUT/cuda.json" --budget-s 300)
 [ "${QUICK:-0}" = 1 ] && ARGS+=(--quick)
 [ -n "${SET:-}" ] && ARGS+=(--set "$SET")
 timeout 380 python -m hf_division.bench cuda "${ARGS[@]}" 2>&1 | grep -v "^\[transformers\]" | tee "$OUT/cuda.txt"
-# 3. the kernels' own tests on CUDA tensors, as time allows
-timeout 60 python -m pytest -q tests/test_triton.py -k "not compile_for_an_h200 and not training_step" 2>&1 | tail -5 \
-  | tee "$OUT/test_triton.txt"
+# 3. where each arm's step time goes at the SmolLM2 shape: launches, kernel time, the costliest kernels
+[ "$(left)" -gt 30 ] && timeout "$(left)" python scripts/cuda_profile.py 2>&1 | grep -v "^\[transformers\]" \
+  | tee "$OUT/profile.txt"
+# 4. the kernels' own tests on CUDA tensors, as time allows
+[ "$(left)" -gt 20 ] && timeout "$(left)" python -m pytest -q tests/test_triton.py -k "not compile_for_an_h200 and not training_step" \
+  2>&1 | tail -5 | tee "$OUT/test_triton.txt"

@@ -1,6 +1,9 @@
 """The measurement suites: registry, command line, and the shared model x config loop."""
 import importlib
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -127,6 +130,23 @@ def test_cuda_suite_smoke_on_cpu(tmp_path):
     assert arms["checkpointing"]["cosine"] > 0.9999 and 0.95 < arms["division"]["cosine"] < 1
     with pytest.raises(SystemExit):
         cuda.main(["--device", "cpu", "--shapes", "tiny", "smollm2", "--sizes", "2x48"])
+
+
+def test_gpu_session_scripts_run_on_cpu(tmp_path):
+    """What scripts/gpu_session.sh runs after the table, on the CPU with a tiny model: the GPU's
+    minutes are too few to find a broken script there."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert subprocess.run(["bash", "-n", os.path.join(root, "scripts", "gpu_session.sh")]).returncode == 0
+    env = dict(os.environ, OUT=str(tmp_path), PROBE_DEV="cpu", ARMS="none division", PYTHONPATH=root)
+    run = subprocess.run([sys.executable, os.path.join(root, "scripts", "cuda_profile.py")], env=env, cwd=root,
+                         capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+    assert run.returncode == 0, run.stderr[-3000:]
+    res = json.loads((tmp_path / "profile.json").read_text())
+    assert res["shape"] == "tiny" and list(res["arms"]) == ["none", "division"]
+    none, division = res["arms"]["none"], res["arms"]["division"]
+    assert 0 < none["aten_calls"] < division["aten_calls"] and division["step_ms"] > 0
+    assert none["launches"] == 0 and none["gpu_busy"] == 0  # no CUDA kernels on the CPU
+    assert "division:" in run.stdout and (tmp_path / "profile_division.txt").read_text().strip()
 
 
 def test_shapes_suite_reports_bytes_cosines_and_the_mlp_error(tmp_path, capsys):
