@@ -71,7 +71,6 @@ def main() -> dict:
               f"(busy {prof['gpu_busy']:.2f}), {prof['aten_calls']} aten calls", flush=True)
         for row in prof["top"][:8]:
             print(f"    {row['ms']:8.2f} ms  x{row['count']:<5} {row['kernel']}", flush=True)
-    set_arm(model, "none")
     with open(os.path.join(OUT, "profile.json"), "w") as f:
         json.dump(res, f, indent=1)
     return res

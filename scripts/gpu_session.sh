@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One call on a lent GPU machine (docs/GUIDE.md, "On a GPU"): the GPU's guarantees, then the
-# side-by-side table, each under its own time limit, logs and JSON under $OUT (default ./gpu_out).
+# One call on a lent GPU machine (docs/GUIDE.md, "On a GPU"): the GPU's guarantees, the side-by-side
+# table, where each arm's step goes, then the kernels' tests, each under its own time limit, logs and
+# JSON under $OUT (default ./gpu_out).
 #   bash scripts/gpu_session.sh            # at most LIMIT seconds, 585 (the device tool's limit per call is 600)
 #   QUICK=1 bash scripts/gpu_session.sh    # the suite's --quick: about 4 minutes
 #   SET='{"linear_group_size": 32, "linear_block_size": 1}' bash scripts/gpu_session.sh   # division's config

@@ -279,31 +279,26 @@ def test_bookkeeping_runs_outside_torch_function_modes():
     assert seen == ["__mul__"] or seen == ["mul"], seen
 
 
-@pytest.mark.parametrize("version", ["5.17.0", "5.22.2", "4.57.1", "5.0.0rc3"])
-def test_older_transformers_refused_naming_both_versions(version):
-    from hf_division.patching import MIN_TRANSFORMERS, check_transformers
-
-    with pytest.raises(ImportError, match=rf"Transformers >= {MIN_TRANSFORMERS[0]}\.{MIN_TRANSFORMERS[1]}, found {version}"):
-        check_transformers(version)
+OLDER = [("Transformers", v) for v in ("5.17.0", "5.22.2", "4.57.1", "5.0.0rc3")] + \
+        [("PyTorch", v) for v in ("2.10.1+cpu", "2.4.0", "2.9.1+cu128", "1.13.1")]
+SUPPORTED = [("Transformers", v) for v in ("5.23.0", "5.25.0", "5.30.0.dev0", "6.0.0")] + \
+            [("PyTorch", v) for v in ("2.11.0+cu130", "2.13.0+cpu", "2.14.1", "2.15.0.dev20261201")]
 
 
-@pytest.mark.parametrize("version", ["5.23.0", "5.25.0", "5.30.0.dev0", "6.0.0"])
-def test_supported_transformers_accepted(version):
-    from hf_division.patching import check_transformers
-
-    check_transformers(version)
-
-
-@pytest.mark.parametrize("version", ["2.10.1+cpu", "2.4.0", "2.9.1+cu128", "1.13.1"])
-def test_older_torch_refused_naming_both_versions(version):
-    from hf_division.patching import MIN_TORCH, check_torch
-
-    with pytest.raises(ImportError, match=rf"PyTorch >= {MIN_TORCH[0]}\.{MIN_TORCH[1]}, found {re.escape(version)}"):
-        check_torch(version)
+def _check_and_minimum(name):
+    from hf_division import patching
+    return {"Transformers": (patching.check_transformers, patching.MIN_TRANSFORMERS),
+            "PyTorch": (patching.check_torch, patching.MIN_TORCH)}[name]
 
 
-@pytest.mark.parametrize("version", ["2.11.0+cu130", "2.13.0+cpu", "2.14.1", "2.15.0.dev20261201"])
-def test_supported_torch_accepted(version):
-    from hf_division.patching import check_torch
+@pytest.mark.parametrize("name, version", OLDER)
+def test_older_versions_refused_naming_both(name, version):
+    check, minimum = _check_and_minimum(name)
+    with pytest.raises(ImportError, match=rf"{name} >= {minimum[0]}\.{minimum[1]}, found {re.escape(version)}"):
+        check(version)
 
-    check_torch(version)
+
+@pytest.mark.parametrize("name, version", SUPPORTED)
+def test_supported_versions_accepted(name, version):
+    check, _ = _check_and_minimum(name)
+    check(version)
