@@ -273,12 +273,19 @@ def test_launches_suite_counts_the_gpu_path(tmp_path):
     if not triton_codec.available() or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs Triton under its interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without CUDA)")
     out = tmp_path / "l.json"
-    launches.main(["--shape", "tiny", "--layers", "1", "--size", "2x64", "--host-tokens", "512", "--out", str(out)])
-    arms = json.loads(out.read_text())["arms"]
+    launches.main(["--shape", "tiny", "--layers", "1", "--size", "2x64", "--host-tokens", "512", "--host-rounds", "2",
+                   "--out", str(out)])
+    res = json.loads(out.read_text())
+    arms = res["arms"]
     total = {arm: r["torch"] + r["triton"] for arm, r in arms.items()}
     assert arms["division"]["triton"] > 0 and arms["division-torch"]["triton"] == 0
     assert total["none"] < total["division"] < total["division-torch"] / 3
     assert not arms["division"]["readbacks"] and not arms["none"]["readbacks"]
+    # the host time's narrow stand-in launches what the shape itself does: the same work, timed
+    steps = res["host_step_ms"]
+    assert {arm: steps[arm]["launches"] for arm in steps} == {"none": total["none"], "division": total["division"]}
+    assert steps["division"]["forward_objects"] > steps["none"]["forward_objects"] >= 0
+    assert all(0 < r["min"] <= r["median"] and r["min_frozen"] > 0 for r in steps.values())
 
 
 def test_suites_run_their_children_through_an_existing_module(monkeypatch, tmp_path):

@@ -2,7 +2,7 @@
 model against division (docs/DESIGN.md, "On a GPU").
 
 TRITON_INTERPRET=1 python -m hf_division.bench launches [--shape smollm2] [--layers N] [--size 1x32]
-    [--autocast bf16] [--out launches.json]
+    [--autocast bf16] [--host-rounds 20] [--out launches.json]
 
 A Llama-shaped model of ``--shape`` (:data:`hf_division.bench.suites.cuda.SHAPES`, random weights;
 ``--layers`` overrides the depth) trains one step on random token ids; the step runs as on a GPU
@@ -15,10 +15,12 @@ at least ``min_numel`` elements (SmolLM2's shape at 1 x 32), so a small batch se
 unpatched step's, the ops that read back on the host (none but the unpatched model's own), and
 the ops division adds most of. Also the host's time per saved tensor of the shape's hidden size
 outside the kernels (``--host-tokens`` tokens; the launches counted but not run): what the host
-adds per tensor on a GPU besides the launches themselves.
+adds per tensor on a GPU besides the launches themselves; and the host's time per training step,
+unpatched and with division, the launches counted but not run (:func:`host_steps`).
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -28,6 +30,7 @@ import torch
 
 from hf_division.analysis.launches import gpu_path, step_counts
 from hf_division.api import apply_division
+from hf_division.config import DivisionConfig
 from hf_division.bench.suites import cuda as cuda_suite
 from hf_division.bench.suites.common import suite_parser
 from hf_division.bench.textdata import random_tokens
@@ -50,6 +53,115 @@ def count(shape: str, layers: int | None, size: tuple[int, int], autocast) -> di
             out[arm] = {"torch": sum(c.ops.values()), "triton": c.triton, "readbacks": sorted(c.readbacks),
                         "ops": dict(c.ops)}
     return out
+
+
+#: the narrow stand-in of a shape whose host time is measured: the shape's depth and layer
+#: structure at this width, so that its tiny kernels leave the host's own work to be timed
+HOST_WIDTH = dict(hidden_size=64, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+#: the stand-in's ``min_numel``: at hidden 64 and 1 x 32 tokens k and v hold 1024 elements, below
+#: the default 4096, and every saved tensor is compressed as at the shape's own width
+HOST_MIN_NUMEL = 256
+
+
+def host_steps(shape: str, layers: int | None, size: tuple[int, int], rounds: int, autocast) -> dict:
+    """Host milliseconds of one training step (forward, backward, ``zero_grad``) per arm, ``none``
+    and ``division``, on the GPU's path with the Triton kernels counted but not run: what the host
+    must keep up with per step on a GPU, the launches aside (a GPU whose kernels take less time
+    than this waits for the host). The shape's depth and layers at :data:`HOST_WIDTH` on ``size``
+    (batch, tokens; 1 x 32: CPU kernels that cost about what launching a GPU's does); arms interleaved, ``rounds``
+    steps each after one warm step; ``{arm: {"min", "median", "launches"}}`` (launches: per step,
+    to check against :func:`count`'s of the shape itself)."""
+    import transformers
+
+    fields = {**cuda_suite.SHAPES[shape], **HOST_WIDTH}
+    if layers is not None:
+        fields["num_hidden_layers"] = layers
+    models = {}
+    for arm in ("none", "division"):
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(**fields, tie_word_embeddings=True, max_position_embeddings=8192)
+        models[arm] = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+    apply_division(models["division"], DivisionConfig(min_numel=HOST_MIN_NUMEL))
+    batch = random_tokens(HOST_WIDTH["vocab_size"], *size, seed=0)
+    batch["labels"] = batch["input_ids"]
+    out = {}
+    with gpu_path():
+        for arm, model in models.items():
+            c = step_counts(model, batch, autocast)
+            out[arm] = {"launches": sum(c.ops.values()) + c.triton}
+        with triton_codec.not_run():
+            for arm, model in models.items():
+                out[arm]["forward_objects"] = forward_objects(model, batch, autocast)
+            for frozen in (False, True):
+                timed = _interleaved(models, batch, autocast, rounds, frozen)
+                for arm, r in timed.items():
+                    out[arm].update({f"{k}_frozen" if frozen else k: v for k, v in r.items()})
+    return out
+
+
+def _interleaved(models: dict, batch: dict, autocast, rounds: int, frozen: bool) -> dict:
+    """:func:`host_steps`' timing: ``rounds`` steps per arm, interleaved; per arm the min and
+    median milliseconds and the garbage collector's collections and milliseconds per step, by
+    generation. ``frozen``: after ``gc.freeze()`` (undone after), the objects made so far left
+    out of every collection (docs/GUIDE.md, "On a GPU")."""
+    times = {arm: [] for arm in models}
+    collections = {arm: {} for arm in models}
+    current, started = [None], [0.0]
+
+    def watch(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        elif current[0] is not None:
+            n, ms = collections[current[0]].get(info["generation"], (0, 0.0))
+            collections[current[0]][info["generation"]] = (n + 1, ms + 1e3 * (time.perf_counter() - started[0]))
+
+    gc.callbacks.append(watch)
+    if frozen:
+        gc.freeze()
+    try:
+        for r in range(rounds):
+            for arm in (list(models) if r % 2 == 0 else list(models)[::-1]):
+                current[0] = arm
+                t0 = time.perf_counter()
+                _step(models[arm], batch, autocast)
+                times[arm].append(1e3 * (time.perf_counter() - t0))
+                current[0] = None
+    finally:
+        gc.callbacks.remove(watch)
+        if frozen:
+            gc.unfreeze()
+    out = {}
+    for arm, ts in times.items():
+        ts.sort()
+        gcs = {str(g): {"per_step": n / rounds, "ms_per_step": ms / rounds} for g, (n, ms) in sorted(collections[arm].items())}
+        out[arm] = {"min": ts[0], "median": ts[len(ts) // 2], "mean": sum(ts) / len(ts), "gc": gcs}
+    return out
+
+
+def forward_objects(model, batch: dict, autocast) -> int:
+    """How many objects the garbage collector tracks that one training forward leaves alive until
+    its backward (the collector off meanwhile): what each of its collections until then walks,
+    and what promotes to its oldest generation, whose full collections walk every object of the
+    process."""
+    gc.collect()
+    gc.disable()
+    try:
+        before = len(gc.get_objects())
+        with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            loss = model(**batch).loss
+        held = len(gc.get_objects()) - before
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+    finally:
+        gc.enable()
+    return held
+
+
+def _step(model, batch: dict, autocast) -> None:
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        loss = model(**batch).loss
+    loss.backward()
+    model.zero_grad(set_to_none=True)
 
 
 def host_us(hidden: int, tokens: int, rounds: int = 200) -> tuple[float, float]:
@@ -84,6 +196,19 @@ def report(shape: str, res: dict) -> str:
     return "\n".join(lines)
 
 
+def host_report(steps: dict, size: tuple[int, int], rounds: int) -> str:
+    none, div = steps["none"], steps["division"]
+    lines = [f"  host per step at hidden {HOST_WIDTH['hidden_size']}, {size[0]}x{size[1]} tokens, kernels not run ({rounds} steps "
+             f"each): none min {none['min']:.1f} ms, division min {div['min']:.1f} ms ({div['min'] / none['min']:.2f}x); "
+             f"means {none['mean']:.1f} and {div['mean']:.1f} ms"]
+    for arm, r in steps.items():
+        gcs = ", ".join(f"gen {g}: {c['per_step']:.2f}/step {c['ms_per_step']:.2f} ms" for g, c in r["gc"].items())
+        frozen = ", ".join(f"gen {g}: {c['ms_per_step']:.2f} ms" for g, c in r["gc_frozen"].items())
+        lines.append(f"    {arm}: {r['launches']} launches, {r['forward_objects']} objects held by a forward; "
+                     f"collections {gcs or 'none'}; after gc.freeze(): mean {r['mean_frozen']:.1f} ms, {frozen or 'none'}")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = suite_parser("launches", __doc__)
     ap.add_argument("--shape", default="smollm2", choices=list(cuda_suite.SHAPES))
@@ -91,6 +216,7 @@ def main(argv=None):
     ap.add_argument("--size", type=cuda_suite.parse_size, default=(1, 32))
     ap.add_argument("--autocast", default="bf16", choices=["none", "bf16"])
     ap.add_argument("--host-tokens", type=int, default=8192)
+    ap.add_argument("--host-rounds", type=int, default=20, help="timed steps per arm of the host time per step")
     ap.add_argument("--out")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     if not triton_codec.available():
@@ -104,8 +230,11 @@ def main(argv=None):
     compress_us, rebuild_us = host_us(hidden, args.host_tokens)
     print(f"  host per saved {args.host_tokens}x{hidden} bf16 tensor, kernels not run: compress {compress_us:.0f} us, "
           f"rebuild {rebuild_us:.0f} us", flush=True)
+    steps = host_steps(args.shape, args.layers, args.size, args.host_rounds, amp)
+    print(host_report(steps, args.size, args.host_rounds), flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"argv": argv, "shape": args.shape, "layers": args.layers, "size": args.size, "arms": res,
-                       "host_us": {"compress": compress_us, "rebuild": rebuild_us}}, f, indent=1)
+                       "host_us": {"compress": compress_us, "rebuild": rebuild_us}, "host_step_ms": steps}, f,
+                      indent=1)
     return res
