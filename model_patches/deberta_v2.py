@@ -146,7 +146,7 @@ def _patch_attention(state, attn: DisentangledSelfAttention) -> None:
             if any(t.requires_grad for t in (query, key, value, *pos)):
                 # held by ``call`` for the recomputation: shared by the layers (counted once)
                 account_tensors([mask] + ([relative_pos] if pos else []), "attention")
-                context = AttentionFn.apply(query, key, value, call, config, *pos)
+                context = AttentionFn.apply(query, key, value, call, config, True, *pos)
             else:
                 context = call(query, key, value, *pos)
             context = context.view(-1, heads, context.size(-2), context.size(-1)).permute(0, 2, 1, 3).contiguous()

@@ -190,7 +190,9 @@ class GatedFn(torch.autograd.Function):
         gate, up = (e.take() for e in ctx.entries)
         a = ctx.acts.pop("a", None)
         direct = elementwise_grad(ctx.act) if switches().shared_recomputation else None
-        if direct is not None and not any(on for _, on, _ in ctx.amp):
+        # under autocast too: SiLU and GELU are on no autocast list, so their ATen derivative is
+        # what autograd would call on the recomputed graph, to the bit
+        if direct is not None:
             if a is None and ctx.needs_input_grad[4]:
                 a = _no_grad(ctx.act, ctx.amp)(gate)
             g_up = grad * a if ctx.needs_input_grad[4] else None
@@ -257,32 +259,37 @@ class AttentionFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, call: Callable, config: DivisionConfig, *extra):
-        ctx.call, ctx.rng, ctx.amp = call, RngState([q]), autocast_state()
-        with DropoutMasks() as rec:
+    def forward(ctx, q, k, v, call: Callable, config: DivisionConfig, draws: bool, *extra):
+        # ``draws`` False: ``call`` draws no random number (sdpa or flash attention without
+        # dropout), so no RNG state is kept and no dispatch mode watches for draws, each of which
+        # costs host time per op on a GPU (docs/DESIGN.md, "On a GPU")
+        ctx.call, ctx.rng, ctx.amp = call, RngState([q]) if draws else None, autocast_state()
+        with DropoutMasks() if draws else contextlib.nullcontext() as rec:
             out = call(q, k, v, *extra)
-        ctx.masks = rec.masks
+        ctx.masks = rec.masks if draws else []
         ctx.save_for_backward(*extra)
         ctx.entries = [keep(t, "attention", config) for t in (q, k, v)]
-        account_tensors(ctx.rng.tensors() + [b for b, _ in ctx.masks], "attention")
+        account_tensors((ctx.rng.tensors() if draws else []) + [b for b, _ in ctx.masks], "attention")
         return out
 
     @staticmethod
     @first_order
     def backward(ctx, grad):
         qkv = [e.take().detach().requires_grad_(need) for e, need in zip(ctx.entries, ctx.needs_input_grad[:3])]
-        extra = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[5:])]
-        with ctx.rng.restored():
-            with torch.enable_grad(), DropoutMasks(replay=ctx.masks) as replay, autocast_as(ctx.amp):
+        extra = [t.detach().requires_grad_(need) for t, need in zip(ctx.saved_tensors, ctx.needs_input_grad[6:])]
+        draws = ctx.rng is not None
+        with ctx.rng.restored() if draws else contextlib.nullcontext():
+            with (torch.enable_grad(), DropoutMasks(replay=ctx.masks) if draws else contextlib.nullcontext() as replay,
+                  autocast_as(ctx.amp)):
                 # CPU: sdpa's output is not recomputed, only its gradient (hf_division.autograd.sdpa_backward)
-                fast = switches().sdpa_backward and not ctx.rng.devices
+                fast = switches().sdpa_backward and not qkv[0].is_cuda
                 with GradientOnlySDPA(replay) if fast else contextlib.nullcontext():
                     out = ctx.call(*qkv, *extra)
         inputs = (*qkv, *extra)
         wanted = [t for t in inputs if t.requires_grad]
         grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
         out_grads = [next(grads) if t.requires_grad else None for t in inputs]
-        return (*out_grads[:3], None, None, *out_grads[3:])
+        return (*out_grads[:3], None, None, None, *out_grads[3:])
 
 
 class CheckpointFn(torch.autograd.Function):

@@ -55,9 +55,11 @@ def eps_of(module: nn.Module) -> float | None:
 
 def takes(eps: float | None) -> bool:
     """Whether a module :func:`eps_of` found (``eps``) takes this path now: the ``rms_norm_backward``
-    switch on (off: the generic recomputation), and not under autocast, whose casts the generic path
-    replays."""
-    return eps is not None and switches().rms_norm_backward and not any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda"))
+    switch on (off: the generic recomputation). Under autocast too: the formula runs in float32,
+    which autocast leaves alone (none of its ops is on an autocast list), and the module's own
+    forward still makes the output; the generic path's recomputation under autograd is what made
+    a bf16 step's host time (docs/DESIGN.md, "On a GPU")."""
+    return eps is not None and switches().rms_norm_backward
 
 
 def normalize(x: torch.Tensor, weight: torch.Tensor, eps: float, stats: dict) -> torch.Tensor:

@@ -275,6 +275,8 @@ class GradientOnlySDPA(TorchFunctionMode):
             return None
         keep = None
         if dropout_p > 0:
+            if self.masks is None:  # no draws recorded (none expected): recomputed as it is
+                return None
             keep = self.masks.next_mask((*query.shape[:-1], key.shape[-2]))
             if keep is None:
                 return None

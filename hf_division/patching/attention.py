@@ -20,6 +20,10 @@ from hf_division.autograd.store import active, keep_mask
 
 PREFIX = "division_"
 CONFIG_ATTR = "_division_config"  # set on each module of a patched model
+#: Transformers' attention functions that draw random numbers only for their ``dropout``
+#: argument (default 0): called without dropout, they draw none (a model's own eager function
+#: may draw anywhere, so it is not here)
+DRAWS_ONLY_FOR_DROPOUT = frozenset({"sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4"})
 
 
 def original_attention(impl: str, module: torch.nn.Module):
@@ -57,7 +61,8 @@ def _make(impl: str):
             m = mask[0] if mask else bits.take()
             return orig(module, q, k, v, m, **{**kwargs, **dict(zip(names, ex))})[0]
 
-        out = AttentionFn.apply(query, key, value, call, config, *extra)
+        draws = impl not in DRAWS_ONLY_FOR_DROPOUT or kwargs.get("dropout", 0.0) != 0
+        out = AttentionFn.apply(query, key, value, call, config, draws, *extra)
         if bits is not None:
             mask.clear()
         return out, None

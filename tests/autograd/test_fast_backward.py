@@ -212,13 +212,15 @@ def test_layer_norm_direct_backward_is_the_recomputation_to_the_bit(frozen_linea
     assert torch.equal(grads[True], grads[False]) and grads[True].abs().sum() > 0
 
 
-def test_norm_and_gated_mlp_run_once_in_backward_with_the_same_gradient(monkeypatch):
+@pytest.mark.parametrize("amp", [None, torch.bfloat16])
+def test_norm_and_gated_mlp_run_once_in_backward_with_the_same_gradient(monkeypatch, amp):
     """A norm with parameters on the generic path (RecomputeFn; Llama's RMSNorm switched to it
     here, hf_division.autograd.rms_norm being tested in tests/autograd/test_rms_norm.py): the rebuild of its output
     for the next layer records the recomputation and the norm's backward reuses it; the gated
     MLP's product rebuild (with the fused kernel off, tested in tests/autograd/test_gated.py) leaves act(gate)
     and SiLU's gradient comes from silu_backward. Each runs
-    once per backward where it ran twice, and the gradient is the same to the bit."""
+    once per backward where it ran twice, and the gradient is the same to the bit; under bf16
+    autocast too (the GPU's usual step), where SiLU is on no autocast list."""
     from transformers.models.llama import modeling_llama
 
     calls = {"norm": 0, "silu": 0}
@@ -233,7 +235,8 @@ def test_norm_and_gated_mlp_run_once_in_backward_with_the_same_gradient(monkeypa
             model = tiny_model("llama", "sdpa")
             hd.apply_division(model, hd.DivisionConfig(rounding="nearest", min_numel=0))
             model.zero_grad()
-            out = model(**batch)
+            with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
+                out = model(**batch)
             before = dict(calls)
             out.loss.backward()
             counts[shared] = (calls["norm"] - before["norm"], calls["silu"] - before["silu"])
@@ -242,3 +245,30 @@ def test_norm_and_gated_mlp_run_once_in_backward_with_the_same_gradient(monkeypa
     assert counts[True] == (2 * layers + 1, layers)  # two norms a layer + the final one; one MLP a layer
     assert counts[False] == (2 * counts[True][0], 2 * layers)
     assert torch.equal(grads[True], grads[False]) and grads[True].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_attention_without_dropout_keeps_no_rng_state_nor_watches_for_draws(monkeypatch, dropout):
+    """sdpa called without dropout draws nothing: AttentionFn keeps no RNG state and runs it
+    without the dispatch mode that records draws (host time per op on a GPU), and the gradient is
+    the one with both, to the bit. With dropout both are kept and the draws are replayed."""
+    from hf_division.autograd import ops
+    from hf_division.patching import attention
+
+    made = {"rng": 0, "modes": 0}
+    rng, modes = ops.RngState, ops.DropoutMasks
+    monkeypatch.setattr(ops, "RngState", lambda *a: made.__setitem__("rng", made["rng"] + 1) or rng(*a))
+    monkeypatch.setattr(ops, "DropoutMasks", lambda **k: made.__setitem__("modes", made["modes"] + 1) or modes(**k))
+    batch = tiny_batch(pad_from=[64, 50, 64, 33])
+    grads, counts = {}, {}
+    for watched in (False, True):  # True: as every implementation outside DRAWS_ONLY_FOR_DROPOUT
+        monkeypatch.setattr(attention, "DRAWS_ONLY_FOR_DROPOUT", frozenset() if watched else frozenset({"sdpa"}))
+        model = tiny_model("llama", "sdpa", attention_dropout=dropout)
+        hd.apply_division(model, hd.DivisionConfig(rounding="nearest", min_numel=0))
+        made.update(rng=0, modes=0)
+        grads[watched] = flat_grad(model, batch, 0)
+        counts[watched] = dict(made)
+    layers = model.config.num_hidden_layers
+    assert counts[True] == {"rng": layers, "modes": 2 * layers}  # a mode in forward and one in backward
+    assert counts[False] == (counts[True] if dropout else {"rng": 0, "modes": 0})
+    assert torch.equal(grads[False], grads[True]) and grads[True].abs().sum() > 0

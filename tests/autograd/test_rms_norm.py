@@ -134,3 +134,21 @@ def test_gemma_keeps_the_generic_path(monkeypatch):
     model = tiny_model("gemma", "sdpa")
     hd.apply_division(model, hd.DivisionConfig(rounding="nearest", min_numel=0))
     assert flat_grad(model, tiny_batch(), 0).abs().sum() > 0 and calls == []
+
+
+def test_bf16_autocast_takes_the_path_with_the_generic_gradient(monkeypatch):
+    """Under bf16 autocast (the GPU's usual step) every RMSNorm takes the written-out gradient too
+    (its formula runs in float32, which autocast leaves alone), and the gradients are the generic
+    recomputation's to bf16 rounding: a float32 rounding apart in a norm's gradient flips the
+    rounding of a few bf16 products downstream (8e-5 of the norm apart here; bf16's unit roundoff
+    is 3.9e-3)."""
+    calls = []
+    real = rms_norm.RMSNormFn.backward
+    monkeypatch.setattr(rms_norm.RMSNormFn, "backward", lambda *a: calls.append(1) or real(*a))
+    batch = tiny_batch(pad_from=[64, 50, 64, 33])
+    fast = flat_grad(_patched(True), batch, 0, torch.bfloat16).double()
+    layers = _patched(True).config.num_hidden_layers
+    assert len(calls) == 2 * layers + 1
+    generic = flat_grad(_patched(False), batch, 0, torch.bfloat16).double()
+    assert len(calls) == 2 * layers + 1  # not taken when switched off
+    assert (fast - generic).norm() <= 1e-3 * generic.norm() and generic.abs().sum() > 0
