@@ -214,11 +214,26 @@ class DivisionConfig:
         self._overrides = _parse_module_bits(self.module_bits)
         self._resolved: dict = {}  # this module's overrides, set by for_module
 
+    def __setattr__(self, name, value):
+        # what the derived settings memoize (:meth:`bits`, :meth:`compressor_args`: asked for every
+        # saved tensor, host time on a GPU, docs/DESIGN.md "On a GPU") is forgotten on any change
+        object.__setattr__(self, name, value)
+        self.__dict__["_memo"] = {}
+
     # ------------------------------------------------------------------ derived settings
     def bits(self, kind: str, name: str | None = None) -> int:
         """HFC bits for a kind of saved tensor (ActNN: 2 for Linear inputs, 0 for the rest; "actnn-all":
         2 everywhere a kind is compressed), in module
         ``name`` if given (else in the module this config was made for by :meth:`for_module`)."""
+        if name is None:
+            memo = self.__dict__["_memo"]
+            bits = memo.get(("bits", kind))
+            if bits is None:
+                bits = memo[("bits", kind)] = self._bits(kind, None)
+            return bits
+        return self._bits(kind, name)
+
+    def _bits(self, kind: str, name: str | None) -> int:
         override = self._resolved.get(kind) if name is None else self._override(kind, name)
         if override is not None:
             return override
@@ -303,7 +318,15 @@ class DivisionConfig:
         return out
 
     def compressor_args(self, kind: str) -> dict:
-        """Keyword arguments of :func:`hf_division.compress.pipeline.compress` for a tensor of ``kind``."""
+        """Keyword arguments of :func:`hf_division.compress.pipeline.compress` for a tensor of ``kind``
+        (a new dict: the caller may change it)."""
+        memo = self.__dict__["_memo"]
+        args = memo.get(("args", kind))
+        if args is None:
+            args = memo[("args", kind)] = self._compressor_args(kind)
+        return dict(args)
+
+    def _compressor_args(self, kind: str) -> dict:
         return dict(
             bits=self.bits(kind),
             block_size=self.kind_block_size(kind),

@@ -36,3 +36,21 @@ def test_the_command_line_offers_the_choices():
     assert list(actions["rounding"].choices) == ["stochastic", "nearest"]
     with pytest.raises(SystemExit):
         parser.parse_args_into_dataclasses(["--rounding", "up"])
+
+
+def test_derived_settings_follow_a_changed_field():
+    """bits() and compressor_args() are memoized (asked for every saved tensor); changing a field
+    after they were read, on the config or on a copy made for one module, is still seen."""
+    import copy
+
+    config = DivisionConfig()
+    assert config.bits("linear") == 4 and config.compressor_args("linear")["bits"] == 4
+    config.linear_bits = 8
+    assert config.bits("linear") == 8 and config.compressor_args("linear")["bits"] == 8
+    config.compressor_args("linear")["bits"] = 0  # the caller's own dict
+    assert config.compressor_args("linear")["bits"] == 8
+    other = copy.copy(config)
+    other._resolved = {"linear": 2}
+    assert other.bits("linear") == 2 and other.compressor_args("linear")["bits"] == 2 and config.bits("linear") == 8
+    config.group_size = 128
+    assert config.compressor_args("norm")["group_size"] == 128

@@ -141,7 +141,7 @@ def test_exact_tokens_chosen_as_the_reference_chooses_them():
     p = compress(x, **kw)
     got = decompress(p)
     assert sorted(p.row_index[p.row_keep].tolist()) == sorted(ref.row_index[ref.row_keep].tolist()) == [5, 217]
-    assert p.nbytes == ref.nbytes and torch.equal(p.packed, ref.packed)
+    assert p.nbytes == ref.nbytes == p.own_bytes and torch.equal(p.packed, ref.packed)
     assert torch.equal(got, want) and torch.equal(got[0, 5], x[0, 5])
     _, _, index, keep = split_static(x.float(), 16.0, 0, x.dtype)
     assert sorted(index[keep].tolist()) == [5, 217]

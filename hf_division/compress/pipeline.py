@@ -19,6 +19,7 @@ one bundle. The math is :mod:`hf_division.quant`; how it runs is the backend's.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -195,12 +196,18 @@ def _as_tokens(x: torch.Tensor, token_dim: int | None) -> tuple[torch.Tensor, La
     without a token axis, ``(1, N, 1)`` and None."""
     if token_dim is None or x.dim() < 2:
         return x.reshape(1, -1, 1), None
-    token_dim %= x.dim()
-    perm = sorted(range(x.dim()), key=lambda d: (-x.stride(d), d))
-    xm = x.permute(perm)
-    layout = Layout(tuple(perm), tuple(xm.shape), perm.index(token_dim))
-    m, t, c = layout.rows
-    return xm.reshape(m, t, c), layout
+    perm, layout = _token_layout(x.shape, x.stride(), token_dim % x.dim())
+    return (x if perm is None else x.permute(perm)).reshape(layout.rows), layout
+
+
+@functools.lru_cache(maxsize=1024)
+def _token_layout(shape: tuple, strides: tuple, token_dim: int) -> tuple[tuple | None, Layout]:
+    """:func:`_as_tokens`' permutation (None: the identity) and :class:`Layout` for a tensor of
+    ``shape`` and ``strides``; cached: it runs for every saved tensor, with the few shapes and
+    strides of one model (docs/DESIGN.md, "On a GPU": host time)."""
+    perm = tuple(sorted(range(len(shape)), key=lambda d: (-strides[d], d)))
+    layout = Layout(perm, tuple(shape[d] for d in perm), perm.index(token_dim))
+    return (None if perm == tuple(range(len(shape))) else perm), layout
 
 
 def _split_exact(x3: torch.Tensor, ratio: float, lead: int, static: bool, dtype: torch.dtype, backend: Backend,
@@ -275,6 +282,6 @@ def _no_larger(p: Packed, x: torch.Tensor) -> Packed:
     """``p``, or ``x`` kept as it is (``bits == 0``) when ``p`` would hold as many bytes or more:
     short rows padded to a block, tiny groups and narrow dtypes at 8 bits can cost more than the
     tensor (docs/GUIDE.md, "Limits and guarantees")."""
-    if p.nbytes < x.numel() * x.element_size():
+    if p.own_bytes < x.numel() * x.element_size():
         return p
     return Packed.kept(x, p.block_size, p.group_size)

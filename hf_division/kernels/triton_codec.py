@@ -162,16 +162,30 @@ def encode_tokens(x3: torch.Tensor, seed, bits: int, block: int, group: int, lfc
     m, t, c = x3.shape
     out = TokenBuffers.empty(m, t, c, bits, block, group, lfc_dtype, SCALE_DTYPE, x3.device)
     full, last = code_views(out.codes, out.n_full, out.rest, group, bits, c)
-    r_last, lay = _layouts(group, out.rest, bits)
-    bc = _channel_tile(c, lay["R_FULL"])
-    grid = (out.n_full + (out.rest > 0), _cdiv(c, bc))
+    r_last, grid, meta = _grid_and_meta(c, out.n_full, out.rest, group, bits, block)
     slot, rows = (out.lo, out.lo) if exact is None else (exact["slot"], exact["rows"])
     _launch("encode", grid, x3, *x3.stride(), t, out.tokens // m, c, out.n_full, out.rest, r_last,
             out.lo if seed is None else seed, slot, rows, full, out.lo if last is None else last,
-            out.lo if out.lfc is None else out.lfc, out.lo, out.scale, BITS=bits, BLOCK=block, GROUP=group, BC=bc,
-            NBT=_pow2(group // block), LFC=LFC_KIND[lfc_dtype if block > 1 else None], HAS_SEED=seed is not None,
-            HAS_SLOT=exact is not None, **lay)
+            out.lo if out.lfc is None else out.lfc, out.lo, out.scale, HAS_SEED=seed is not None,
+            HAS_SLOT=exact is not None, NBT=_pow2(group // block), LFC=LFC_KIND[lfc_dtype if block > 1 else None],
+            **meta)
     return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _grid_and_meta(c: int, n_full: int, rest: int, group: int, bits: int, block: int) -> tuple:
+    """``(r_last, grid, constants)`` of an encode or decode launch over ``n_full`` groups and a
+    last one of ``rest`` tokens, ``c`` channels; cached: it runs for every saved tensor, with
+    the few shapes of one model (docs/DESIGN.md, "On a GPU": host time)."""
+    r_last, lay = _layouts(group, rest, bits)
+    bc = _channel_tile(c, lay["R_FULL"])
+    return r_last, (n_full + (rest > 0), _cdiv(c, bc)), dict(BITS=bits, BLOCK=block, GROUP=group, BC=bc, **lay)
+
+
+@functools.lru_cache(maxsize=None)
+def _top(dtype: torch.dtype) -> float:
+    """The largest finite value a rebuilt ``dtype`` is clamped to (0: float32, not clamped)."""
+    return torch.finfo(dtype).max if dtype != torch.float32 else 0.0
 
 
 def decode_tokens(p) -> torch.Tensor:
@@ -183,13 +197,11 @@ def decode_tokens(p) -> torch.Tensor:
     n_full, rest = divmod(m * tp, group)
     full, last = code_views(p.packed, n_full, rest, group, p.bits, c)
     out = torch.empty(m * t, c, dtype=p.dtype, device=p.packed.device)
-    r_last, lay = _layouts(group, rest, p.bits)
-    bc = _channel_tile(c, lay["R_FULL"])
-    top = torch.finfo(p.dtype).max if p.dtype != torch.float32 else 0.0
-    _launch("decode", (n_full + (rest > 0), _cdiv(c, bc)), out, t, tp, c, n_full, rest, r_last,
+    r_last, grid, meta = _grid_and_meta(c, n_full, rest, group, p.bits, block)
+    top = _top(p.dtype)
+    _launch("decode", grid, out, t, tp, c, n_full, rest, r_last,
             full, full if last is None else last, p.lo if p.lfc is None else p.lfc, p.lo, p.scale, top,
-            BITS=p.bits, BLOCK=block, GROUP=group, BC=bc, HAS_LFC=p.lfc is not None, CLAMP=p.dtype != torch.float32,
-            OUT_BF16=p.dtype == torch.bfloat16, **lay)
+            HAS_LFC=p.lfc is not None, CLAMP=p.dtype != torch.float32, OUT_BF16=p.dtype == torch.bfloat16, **meta)
     if p.rows is not None and p.rows.numel():
         keep = p.row_keep
         bc = max(16, min(_pow2(c), 1024))

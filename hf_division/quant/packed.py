@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -36,7 +37,7 @@ class Layout:
             return 1
         return math.prod(self.shape[self.token_dim + 1 :])
 
-    @property
+    @functools.cached_property  # read per launch; a frozen Layout's fields never change
     def rows(self) -> tuple[int, int, int]:
         """``(M, T, C)``."""
         return math.prod(self.shape[: self.token_dim]), self.shape[self.token_dim], self.channels
@@ -80,8 +81,25 @@ class Packed:
         return [t for t in own if t is not None]
 
     @property
+    def own_bytes(self) -> int:
+        """The bytes of the tensors held, as numel x item size: :attr:`nbytes` where each tensor
+        owns its storage, as everything :func:`~hf_division.compress.pipeline.compress` makes does
+        (a test holds them equal). Read without a Python storage object per tensor, which PyTorch
+        keeps alive with the tensor: about a quarter of the objects a forward left to the garbage
+        collector (docs/DESIGN.md, "On a GPU")."""
+        total = 0
+        for t in (self.packed, self.lo, self.scale, self.lfc, self.rows, self.row_index, self.row_keep, self.row_scale):
+            if t is not None:
+                total += t.numel() * t.element_size()
+        return total
+
+    @property
     def nbytes(self) -> int:
-        return sum(t.untyped_storage().nbytes() for t in self.storages())
+        total = 0
+        for t in (self.packed, self.lo, self.scale, self.lfc, self.rows, self.row_index, self.row_keep, self.row_scale):
+            if t is not None:
+                total += t.untyped_storage().nbytes()
+        return total
 
 
 def token_group(group_size: int, block: int, bits: int) -> int:
@@ -103,13 +121,29 @@ def code_bytes(n_groups: int, group: int, bits: int, c: int) -> int:
 def code_views(codes: torch.Tensor, n_full: int, rest: int, group: int, bits: int, c: int):
     """``codes`` (uint8, flat) as ``(the full groups' words (n_full, rows, C), the partial group's
     (1, rows, C) or None)``, each in its :func:`~hf_division.quant.packing.code_layout` dtype."""
-    split = code_bytes(n_full, group, bits, c)
-    dtype, rows = code_layout(group, bits)
-    full = codes[:split].view(dtype).view(n_full, rows, c)
+    split, full_dtype, full_shape, last_dtype, last_shape = _code_split(n_full, rest, group, bits, c)
+    full = codes[:split].view(full_dtype).view(full_shape)
     if not rest:
         return full, None
-    dtype, rows = code_layout(rest, bits)
-    return full, codes[split:].view(dtype).view(1, rows, c)
+    return full, codes[split:].view(last_dtype).view(last_shape)
+
+
+@functools.lru_cache(maxsize=1024)
+def _code_split(n_full: int, rest: int, group: int, bits: int, c: int) -> tuple:
+    """Where :func:`code_views` splits the codes and how it views each part; cached: it runs for
+    every saved tensor, with the few shapes of one model (docs/DESIGN.md, "On a GPU": host time)."""
+    full_dtype, rows = code_layout(group, bits)
+    last_dtype, last_rows = code_layout(rest, bits) if rest else (torch.uint8, 0)
+    return code_bytes(n_full, group, bits, c), full_dtype, (n_full, rows, c), last_dtype, (1, last_rows, c)
+
+
+@functools.lru_cache(maxsize=1024)
+def _buffer_sizes(m: int, t: int, c: int, bits: int, block: int, group: int) -> tuple:
+    """:meth:`TokenBuffers.empty`'s sizes: ``(tokens, n_full, rest, code bytes)``; cached as
+    :func:`_code_split`."""
+    n = m * (-(-t // block) * block)
+    n_full, rest = divmod(n, group)
+    return n, n_full, rest, code_bytes(n_full, group, bits, c) + code_bytes(1, rest, bits, c)
 
 
 @dataclass
@@ -129,10 +163,8 @@ class TokenBuffers:
     @classmethod
     def empty(cls, m: int, t: int, c: int, bits: int, block: int, group: int, lfc_dtype: torch.dtype,
               scale_dtype: torch.dtype, device) -> "TokenBuffers":
-        n = m * (-(-t // block) * block)
-        n_full, rest = divmod(n, group)
-        codes = torch.empty(code_bytes(n_full, group, bits, c) + code_bytes(1, rest, bits, c), dtype=torch.uint8,
-                            device=device)
+        n, n_full, rest, nbytes = _buffer_sizes(m, t, c, bits, block, group)
+        codes = torch.empty(nbytes, dtype=torch.uint8, device=device)
         lo = torch.empty(n_full + (rest > 0), c, dtype=scale_dtype, device=device)
         lfc = torch.empty(n // block, c, dtype=lfc_dtype, device=device) if block > 1 else None
         return cls(codes, lfc, lo, torch.empty_like(lo), n, n_full, rest)

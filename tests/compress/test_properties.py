@@ -69,7 +69,7 @@ def test_round_trip_error_bytes_and_size(x, layout):
     assert torch.isfinite(y).all()
     raw = x.numel() * x.element_size()
     # the bytes reported are the storages held, nothing hidden behind a view
-    assert p.nbytes == sum(s.numel() * s.element_size() for s in p.storages())
+    assert p.nbytes == sum(s.numel() * s.element_size() for s in p.storages()) == p.own_bytes
     if p.bits == 0:  # kept as it is: never larger than the input
         assert y is x or torch.equal(y, x)
         return
