@@ -77,19 +77,20 @@ def gpu_path():
         yield
 
 
-def step_counts(model: torch.nn.Module, batch: dict, autocast: torch.dtype | None = None) -> KernelCounter:
-    """One training step (forward under ``autocast`` on the batch's device, backward) counted,
-    after one uncounted step (set-up, compilation, seed blocks)."""
+def train_step(model: torch.nn.Module, batch: dict, autocast: torch.dtype | None = None) -> None:
+    """One training step: forward under ``autocast`` on the model's device, backward, ``zero_grad``."""
     device = next(model.parameters()).device.type
+    with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        loss = model(**batch).loss
+    loss.backward()
+    model.zero_grad(set_to_none=True)
 
-    def step():
-        with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-            loss = model(**batch).loss
-        loss.backward()
-        model.zero_grad(set_to_none=True)
 
-    step()
+def step_counts(model: torch.nn.Module, batch: dict, autocast: torch.dtype | None = None) -> KernelCounter:
+    """One training step (:func:`train_step`) counted, after one uncounted step (set-up,
+    compilation, seed blocks)."""
+    train_step(model, batch, autocast)
     counter = KernelCounter()
     with counter:
-        step()
+        train_step(model, batch, autocast)
     return counter

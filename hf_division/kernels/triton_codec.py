@@ -143,10 +143,9 @@ def _channel_tile(c: int, rows: int) -> int:
     return max(16, min(_pow2(c), _pow2(2048 // _pow2(rows))))
 
 
-@functools.lru_cache(maxsize=256)
 def _layouts(group: int, rest: int, bits: int) -> tuple:
     """The word layout of a full group and of the last, partial one (``code_layout``'s), as
-    ``(r_last, launch constants)``; cached: it runs per launch."""
+    ``(r_last, launch constants)`` (cached with the rest of a launch's, :func:`_grid_and_meta`)."""
     full_dtype, r_full = code_layout(group, bits)
     last_dtype, r_last = code_layout(rest, bits) if rest else (torch.uint8, 0)
     return r_last, dict(R_FULL=r_full, FULL32=full_dtype == torch.int32, LAST32=last_dtype == torch.int32,

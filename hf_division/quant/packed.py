@@ -87,19 +87,11 @@ class Packed:
         (a test holds them equal). Read without a Python storage object per tensor, which PyTorch
         keeps alive with the tensor: about a quarter of the objects a forward left to the garbage
         collector (docs/DESIGN.md, "On a GPU")."""
-        total = 0
-        for t in (self.packed, self.lo, self.scale, self.lfc, self.rows, self.row_index, self.row_keep, self.row_scale):
-            if t is not None:
-                total += t.numel() * t.element_size()
-        return total
+        return sum(t.numel() * t.element_size() for t in self.storages())
 
     @property
     def nbytes(self) -> int:
-        total = 0
-        for t in (self.packed, self.lo, self.scale, self.lfc, self.rows, self.row_index, self.row_keep, self.row_scale):
-            if t is not None:
-                total += t.untyped_storage().nbytes()
-        return total
+        return sum(t.untyped_storage().nbytes() for t in self.storages())
 
 
 def token_group(group_size: int, block: int, bits: int) -> int:

@@ -66,13 +66,15 @@ SHAPES = {
 }
 
 
-def build(shape: str, device: str, seed: int = 0, layers: int | None = None, vocab_size: int | None = None):
+def build(shape: str, device: str, seed: int = 0, layers: int | None = None, vocab_size: int | None = None,
+          **widths):
     """A random-init ``LlamaForCausalLM`` of ``shape`` (tied embeddings, sdpa) on ``device``;
-    ``layers``, ``vocab_size``: another depth or vocabulary than the shape's."""
+    ``layers``, ``vocab_size``: another depth or vocabulary than the shape's; ``widths``: other
+    config fields (a narrow stand-in of the shape)."""
     import transformers
 
     torch.manual_seed(seed)
-    fields = dict(SHAPES[shape])
+    fields = {**SHAPES[shape], **widths}
     fields.update({k: v for k, v in (("num_hidden_layers", layers), ("vocab_size", vocab_size)) if v is not None})
     config = transformers.LlamaConfig(**fields, tie_word_embeddings=True, max_position_embeddings=8192)
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device)

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from hf_division.analysis.launches import gpu_path, step_counts
+from hf_division.analysis.launches import gpu_path, step_counts, train_step
 from hf_division.api import apply_division
 from hf_division.config import DivisionConfig
 from hf_division.bench.suites import cuda as cuda_suite
@@ -68,19 +68,12 @@ def host_steps(shape: str, layers: int | None, size: tuple[int, int], rounds: in
     and ``division``, on the GPU's path with the Triton kernels counted but not run: what the host
     must keep up with per step on a GPU, the launches aside (a GPU whose kernels take less time
     than this waits for the host). The shape's depth and layers at :data:`HOST_WIDTH` on ``size``
-    (batch, tokens; 1 x 32: CPU kernels that cost about what launching a GPU's does); arms interleaved, ``rounds``
-    steps each after one warm step; ``{arm: {"min", "median", "launches"}}`` (launches: per step,
-    to check against :func:`count`'s of the shape itself)."""
-    import transformers
-
-    fields = {**cuda_suite.SHAPES[shape], **HOST_WIDTH}
-    if layers is not None:
-        fields["num_hidden_layers"] = layers
-    models = {}
-    for arm in ("none", "division"):
-        torch.manual_seed(0)
-        config = transformers.LlamaConfig(**fields, tie_word_embeddings=True, max_position_embeddings=8192)
-        models[arm] = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").train()
+    (batch, tokens; 1 x 32: CPU kernels that cost about what launching a GPU's does); arms
+    interleaved, ``rounds`` steps each, then as many after ``gc.freeze()``. Per arm: ``launches``
+    per step (to check against :func:`count`'s of the shape itself), ``forward_objects``
+    (:func:`forward_objects`), and :func:`_interleaved`'s figures, those after the freeze suffixed
+    ``_frozen``."""
+    models = {arm: cuda_suite.build(shape, "cpu", layers=layers, **HOST_WIDTH).train() for arm in ("none", "division")}
     apply_division(models["division"], DivisionConfig(min_numel=HOST_MIN_NUMEL))
     batch = random_tokens(HOST_WIDTH["vocab_size"], *size, seed=0)
     batch["labels"] = batch["input_ids"]
@@ -123,7 +116,7 @@ def _interleaved(models: dict, batch: dict, autocast, rounds: int, frozen: bool)
             for arm in (list(models) if r % 2 == 0 else list(models)[::-1]):
                 current[0] = arm
                 t0 = time.perf_counter()
-                _step(models[arm], batch, autocast)
+                train_step(models[arm], batch, autocast)
                 times[arm].append(1e3 * (time.perf_counter() - t0))
                 current[0] = None
     finally:
@@ -155,13 +148,6 @@ def forward_objects(model, batch: dict, autocast) -> int:
     finally:
         gc.enable()
     return held
-
-
-def _step(model, batch: dict, autocast) -> None:
-    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-        loss = model(**batch).loss
-    loss.backward()
-    model.zero_grad(set_to_none=True)
 
 
 def host_us(hidden: int, tokens: int, rounds: int = 200) -> tuple[float, float]:
