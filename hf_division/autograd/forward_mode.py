@@ -4,6 +4,7 @@ patched modules, where no Function of ours runs."""
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,36 @@ class ForwardMode(TorchFunctionMode):
         if func in CASTS and torch.is_grad_enabled():
             derive_cast(args[0], out)
         return out
+
+
+_STACK = tuple(getattr(torch._C, name, None) for name in (
+    "_len_torch_function_stack", "_get_function_stack_at", "_pop_torch_function_stack", "_push_on_torch_function_stack"))
+
+
+def outside(apply: Callable) -> Callable:
+    """An autograd Function's ``apply`` run with :class:`ForwardMode` popped off the mode stack where
+    it is the innermost mode (a mode entered inside the model's forward stays).
+
+    Why: a Function's forward runs with grad mode off, where the mode routes nothing, yet each
+    torch call and tensor attribute read in it (the layer's own forward, the norm's and the
+    gated product's ops) still paid the mode's Python handler: host time on a GPU, where the host
+    sets the pace of a small layer's step (docs/DESIGN.md, "On a GPU")."""
+    length, at, pop, push = _STACK
+    if push is None:
+        return apply
+
+    def run(*args, **kwargs):
+        n = length()
+        if n and type(at(n - 1)) is ForwardMode:
+            mode = pop()
+            try:
+                return apply(*args, **kwargs)
+            finally:
+                push(mode)
+        return apply(*args, **kwargs)
+
+    run.__name__, run.__doc__, run.__wrapped__ = apply.__name__, apply.__doc__, apply
+    return run
 
 
 @bookkeeping

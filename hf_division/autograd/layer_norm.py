@@ -16,6 +16,7 @@ from torch import nn
 
 from hf_division.config import DivisionConfig
 from hf_division.autograd.first_order import first_order
+from hf_division.autograd.forward_mode import outside
 from hf_division.autograd.store import derive, keep
 
 
@@ -71,4 +72,4 @@ def layer_norm(module: nn.LayerNorm, forward: Callable, config: DivisionConfig, 
 
 
 # as the other Functions (hf_division.autograd.ops): run eagerly under torch.compile, a graph break each
-LayerNormFn.apply = torch.compiler.disable(LayerNormFn.apply)
+LayerNormFn.apply = torch.compiler.disable(outside(LayerNormFn.apply))

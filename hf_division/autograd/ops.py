@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from hf_division.autograd.accounting import account_tensors
 from hf_division.config import DivisionConfig
 from hf_division.autograd.first_order import first_order
+from hf_division.autograd.forward_mode import outside
 from hf_division.kernels.switches import switches
 from hf_division.autograd.dropout import DropoutMasks
 from hf_division.autograd.gated_product import silu_gated
@@ -334,4 +335,4 @@ class CheckpointFn(torch.autograd.Function):
 # it was created"). Marked as not compilable, each runs eagerly as a graph break and the rest of
 # a compiled model is compiled (tests/test_compile.py).
 for _fn in (LinearFn, RecomputeFn, GatedFn, AttentionFn, CheckpointFn):
-    _fn.apply = torch.compiler.disable(_fn.apply)
+    _fn.apply = torch.compiler.disable(outside(_fn.apply))

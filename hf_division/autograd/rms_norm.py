@@ -22,6 +22,7 @@ from torch import nn
 
 from hf_division.config import DivisionConfig
 from hf_division.autograd.first_order import first_order
+from hf_division.autograd.forward_mode import outside
 from hf_division.kernels.switches import switches
 from hf_division.autograd.store import derive, keep
 
@@ -121,4 +122,4 @@ def rms_norm(module: nn.Module, forward: Callable, eps: float, config: DivisionC
 
 
 # as the other Functions (hf_division.autograd.ops): run eagerly under torch.compile, a graph break each
-RMSNormFn.apply = torch.compiler.disable(RMSNormFn.apply)
+RMSNormFn.apply = torch.compiler.disable(outside(RMSNormFn.apply))
