@@ -202,6 +202,71 @@ def test_launch_budget_and_no_host_synchronisation(ratio):
     assert y.dtype == x.dtype and (ratio == 0 or torch.equal(y[0, 0], x[0, 0]))
 
 
+def _rms(x):
+    return torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32).mul_(x.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lfc", ["bf16", "fp16", "none"])
+def test_row_scaled_equals_dividing_then_multiplying(dtype, lfc):
+    """A norm input kept relative to its rows' RMS (``compress_row_scaled``), the division and the
+    product inside the kernels: the codes, block means, ranges and exact tokens that compressing
+    ``x / rms`` gives, and the rebuild of multiplying that back, clamped to the dtype, to the bit;
+    rows of every scale, an outlier, a zero row, one at the edge of fp16's range."""
+    from hf_division.compress.pipeline import cast_finite, compress_row_scaled
+
+    x = _tokens(2, 70, 40, torch.float32) * torch.logspace(-2, 2, 70).view(1, 70, 1)
+    x[0, 3] *= 300  # an outlier of its own row scale too
+    x[1, 9] = 0.0
+    if dtype == torch.float16:
+        x[1, 5, :4] = 65504.0
+    x = x.to(dtype)
+    rms = _rms(x).clamp_(min=torch.finfo(torch.float32).tiny)
+    kw = dict(bits=4, block_size=8 if lfc != "none" else 1, group_size=32, lfc_dtype=LFC[lfc] or torch.bfloat16,
+              outlier_ratio=16.0)
+    p = compress_row_scaled(x, rms, generator=torch.Generator().manual_seed(3), **kw)
+    assert p is not None and p.bits == 4 and p.row_scale is rms and p.dtype == dtype
+    with configured(**REFERENCE):
+        ref = compress(x / rms, generator=torch.Generator().manual_seed(3), **kw)
+        want = cast_finite(decompress(ref) * rms, dtype)
+    assert torch.equal(p.packed, ref.packed) and torch.equal(p.lo.float(), ref.lo.float())
+    assert torch.equal(p.scale.float(), ref.scale.float())
+    assert (p.lfc is None) == (ref.lfc is None) and (p.lfc is None or torch.equal(p.lfc, ref.lfc))
+    assert torch.equal(p.row_index[p.row_keep], ref.row_index[ref.row_keep])
+    assert p.rows.dtype == dtype and p.own_bytes == p.nbytes
+    got = decompress(p)
+    assert got.dtype == dtype and torch.isfinite(got).all()
+    # the zero row (scale: the smallest normal float32) rebuilds as subnormals or zeros, which the
+    # interpreter's arithmetic may flush: (almost) zero, not to the bit
+    sub = torch.zeros_like(got, dtype=torch.bool)
+    sub[1, 9] = True
+    assert torch.equal(got[~sub], want[~sub]) and got[sub].float().abs().max() < 1e-30
+    with configured(triton=False):  # what the torch kernels rebuild from the same bundle
+        assert torch.equal(decompress(p)[~sub], want[~sub])
+
+
+def test_row_scaled_launch_budget_and_where_it_declines():
+    """The row-scaled encode in 3 launches and its rebuild in 2, nothing read back; declined
+    (None: the caller divides) where the tokens are not in memory order or leading tokens are kept."""
+    from hf_division.compress.pipeline import compress_row_scaled
+
+    x = _tokens(2, 96, 64, torch.bfloat16)
+    x[0, 0] *= 100
+    rms = _rms(x)
+    kw = dict(bits=4, block_size=16, group_size=64, lfc_dtype=torch.bfloat16, outlier_ratio=16.0,
+              generator=torch.Generator().manual_seed(0))
+    compress_row_scaled(x, rms, **kw)
+    with KernelCounter() as mode:
+        p = compress_row_scaled(x, rms, **kw)
+    assert not mode.readbacks and mode.triton + sum(mode.ops.values()) <= 3, (mode.triton, mode.ops)
+    with KernelCounter() as mode:
+        decompress(p)
+    assert not mode.readbacks and mode.triton + sum(mode.ops.values()) <= 2, (mode.triton, mode.ops)
+    xt = x.transpose(0, 1)
+    assert compress_row_scaled(xt, _rms(xt), **kw) is None
+    assert compress_row_scaled(x, rms, exact_tokens=2, **kw) is None
+
+
 def test_seeds_drawn_in_blocks_follow_the_generator():
     """Blocks of seeds: one per tensor, distinct; the same again from a generator seeded alike; a
     generator reseeded since the draw draws a new block, as a fresh one would."""

@@ -188,25 +188,28 @@ class NativeBackend(Backend):
 class TritonBackend(TorchBackend):
     """The Triton kernels for token groups; flat groups through the torch kernels."""
 
-    any_dtype, whole = True, True
+    any_dtype, whole, scales_rows = True, True, True
 
     def __init__(self):
         super().__init__(compile=True)  # flat groups: the compiled torch kernels
         self.name = "triton"
 
-    def exact_tokens(self, x3: torch.Tensor, ratio: float) -> dict:
-        """The outlier tokens at a fixed capacity (:func:`~hf_division.kernels.triton_codec.exact_tokens`)."""
-        return triton_codec.exact_tokens(x3, ratio)
+    def exact_tokens(self, x3: torch.Tensor, ratio: float, row_scale: torch.Tensor | None = None) -> dict:
+        """The outlier tokens at a fixed capacity (:func:`~hf_division.kernels.triton_codec.exact_tokens`),
+        of ``x3 / row_scale`` where given."""
+        return triton_codec.exact_tokens(x3, ratio, row_scale)
 
     def encode_tokens(self, x3, seed, bits, block, group, lfc_dtype, row_scale=None, score=False,
                       exact=None) -> Encoded:
-        if row_scale is not None or score:
-            raise ValueError("the triton backend neither scales rows nor scores tokens in its encode")
-        out = triton_codec.encode_tokens(x3, seed, bits, block, group, lfc_dtype, exact)
+        """``row_scale``: one per token of ``x3`` in its order; the exact rows (``exact``) are then
+        held as dividing and multiplying rebuilds them, in ``x3``'s dtype."""
+        if score:
+            raise ValueError("the triton backend does not score tokens in its encode")
+        out = triton_codec.encode_tokens(x3, seed, bits, block, group, lfc_dtype, exact, row_scale)
         return Encoded(out.codes, out.lfc, out.lo, out.scale)
 
     def rebuild_tokens(self, p: Packed) -> torch.Tensor:
-        """``p`` -> ``(M, T, C)`` in ``p.dtype``, its exact rows in their places."""
+        """``p`` -> ``(M, T, C)`` in ``p.dtype``, times its row scale, its exact rows in their places."""
         return triton_codec.decode_tokens(p)
 
 

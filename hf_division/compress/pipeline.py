@@ -29,7 +29,6 @@ from hf_division.quant.exact_tokens import outlier_tokens, split_leading, split_
 from hf_division.quant.packed import FLAT, GROUPINGS, TOKENS, Layout, Packed, token_group
 from hf_division.compress.noise import tensor_seed
 from hf_division.kernels.triton_codec import device_path
-from hf_division.quant.rounding import noise_seed
 
 __all__ = ["Layout", "Packed", "cast_finite", "compress", "compress_row_scaled", "decompress"]
 
@@ -109,26 +108,36 @@ def compress(
 def compress_row_scaled(x: torch.Tensor, row_scale: torch.Tensor, bits: int, block_size: int, group_size: int,
                         lfc_dtype: torch.dtype, stochastic: bool = True, generator: torch.Generator | None = None,
                         **policy) -> Packed | None:
-    """``compress(x / row_scale, ...)`` with ``row_scale`` (``x.shape[:-1] + (1,)``, float32) held in
-    the result, which rebuilds ``x``: the same codes and values as dividing first and multiplying
-    after, with the division and the product inside the native kernels' passes instead of two more
-    passes over the tensor. Outlier tokens (``policy``'s ``outlier_ratio``) are those of the divided
-    values, held as the rows that dividing then multiplying rebuilds. None where that does not apply
-    (the caller divides instead): a backend that does not scale rows (not a contiguous float32 CPU
-    tensor), not token groups, or every token kept exact (``exact_tokens``)."""
+    """``compress(x / row_scale, ...)`` with ``row_scale`` (``x.shape[:-1] + (1,)``, float32,
+    contiguous) held in the result, which rebuilds ``x``: the same codes and values as dividing
+    first and multiplying after (then clamping to ``x``'s dtype and casting to it), with the
+    division and the product inside the kernels' passes instead of passes of their own over the
+    tensor. Outlier tokens (``policy``'s ``outlier_ratio``) are those of the divided values, held
+    as the rows that dividing then multiplying rebuilds. None where that does not apply (the
+    caller divides instead): a backend that does not scale rows (the native kernels take
+    contiguous float32 CPU tensors, the Triton kernels a tensor whose tokens are in memory order,
+    with no leading tokens kept exact), not token groups, or every token kept exact
+    (``exact_tokens``)."""
     lead = policy.get("exact_tokens", 0)
-    if (policy.get("grouping", TOKENS) != TOKENS or not bits or x.dtype != torch.float32 or not x.is_contiguous()
-            or x.dim() < 2 or lead >= x.shape[-2]):
+    if policy.get("grouping", TOKENS) != TOKENS or not bits or x.dim() < 2 or lead >= x.shape[-2]:
         return None
     block = max(1, min(block_size, x.shape[-2]))
     backend = pick(x.device, TOKENS, lfc_dtype if block > 1 else None)
-    if not backend.scales_rows:
+    if not backend.scales_rows or not (backend.any_dtype or (x.dtype == torch.float32 and x.is_contiguous())):
         return None
+    if backend.whole and (lead or _token_layout(x.shape, x.stride(), x.dim() - 2)[0] is not None):
+        return None  # the kernels index the scales by token in memory order
     x3, layout = _as_tokens(x, x.dim() - 2)
     ratio = policy.get("outlier_ratio", 0.0) if x3.shape[2] > 1 else 0.0
-    seed = noise_seed(x.device, generator) if stochastic else None
+    seed = tensor_seed(x.device, generator, blocks=device_path(x.device)) if stochastic else None
     group = token_group(group_size, block, bits)
-    if lead:
+    if backend.whole:  # at a fixed capacity, chosen by the backend: no readback
+        rows = backend.exact_tokens(x3, ratio, row_scale) if ratio > 0 else None
+        # the LFC's dtype as compressing the float32 quotient at a fixed capacity gives (_lfc_dtype)
+        lfc_dtype = torch.float32 if block > 1 and lfc_dtype == torch.float16 else lfc_dtype
+        enc = backend.encode_tokens(x3, seed, bits, block, group, lfc_dtype, row_scale, exact=rows)
+        exact = dict(rows=None, row_index=None) if rows is None else {k: rows[k] for k in ("rows", "row_index", "row_keep")}
+    elif lead:
         enc, exact, row_scale = _split_then_encode_scaled(backend, x3, seed, bits, block, group, lfc_dtype, ratio,
                                                           row_scale, lead)
     else:
@@ -147,7 +156,7 @@ def decompress(p: Packed) -> torch.Tensor:
         return p.packed
     layout = p.layout
     backend = pick(p.packed.device, p.grouping, None if p.lfc is None else p.lfc.dtype)
-    if backend.whole and p.row_scale is None:  # the tokens in p's dtype, exact rows in place
+    if backend.whole:  # the tokens in p's dtype (times the row scale), exact rows in place
         return backend.rebuild_tokens(p).reshape(layout.shape).permute(layout.inverse())
     if p.grouping == FLAT:
         flat = backend.decode_flat(p)

@@ -152,22 +152,26 @@ def _layouts(group: int, rest: int, bits: int) -> tuple:
                         RT_FULL=_pow2(r_full), RT_LAST=_pow2(r_last))
 
 
-def encode_tokens(x3: torch.Tensor, seed, bits: int, block: int, group: int, lfc_dtype, exact=None):
+def encode_tokens(x3: torch.Tensor, seed, bits: int, block: int, group: int, lfc_dtype, exact=None,
+                  row_scale: torch.Tensor | None = None):
     """``(M, T, C)`` tokens (any float dtype and strides) -> ``TokenBuffers`` filled as
     :func:`hf_division.quant.codecs.encode_tokens` fills them, rows padded to whole blocks by
     repeating the last token; one launch. ``seed``: 0-d int64 tensor on the device (None: round
     to nearest). ``exact``: :func:`exact_tokens`' result, whose tokens are zeroed in what is
-    encoded and copied into its ``rows``."""
+    encoded and copied into its ``rows``. ``row_scale``: float32, one per token in ``x3``'s
+    order (contiguous): ``x3 / row_scale`` is encoded, in the kernel's pass, and an exact token's
+    row is held as dividing then multiplying rebuilds it, in ``x3``'s dtype."""
     m, t, c = x3.shape
     out = TokenBuffers.empty(m, t, c, bits, block, group, lfc_dtype, SCALE_DTYPE, x3.device)
     full, last = code_views(out.codes, out.n_full, out.rest, group, bits, c)
     r_last, grid, meta = _grid_and_meta(c, out.n_full, out.rest, group, bits, block)
     slot, rows = (out.lo, out.lo) if exact is None else (exact["slot"], exact["rows"])
     _launch("encode", grid, x3, *x3.stride(), t, out.tokens // m, c, out.n_full, out.rest, r_last,
-            out.lo if seed is None else seed, slot, rows, full, out.lo if last is None else last,
-            out.lo if out.lfc is None else out.lfc, out.lo, out.scale, HAS_SEED=seed is not None,
-            HAS_SLOT=exact is not None, NBT=_pow2(group // block), LFC=LFC_KIND[lfc_dtype if block > 1 else None],
-            **meta)
+            out.lo if seed is None else seed, slot, rows, out.lo if row_scale is None else row_scale, _top(x3.dtype),
+            full, out.lo if last is None else last, out.lo if out.lfc is None else out.lfc, out.lo, out.scale,
+            HAS_SEED=seed is not None, HAS_SLOT=exact is not None, NBT=_pow2(group // block),
+            LFC=LFC_KIND[lfc_dtype if block > 1 else None], ROW_SCALE=row_scale is not None,
+            ROWS_BF16=x3.dtype == torch.bfloat16, **meta)
     return out
 
 
@@ -189,7 +193,8 @@ def _top(dtype: torch.dtype) -> float:
 
 def decode_tokens(p) -> torch.Tensor:
     """A token-grouped ``Packed`` -> ``(M, T, C)`` in ``p.dtype`` (clamped to its finite range),
-    its exact rows in their places; one launch, two with exact rows."""
+    times its ``row_scale`` where it has one, its exact rows in their places; one launch, two with
+    exact rows."""
     m, t, c = p.layout.rows
     block, group = p.block_size, p.group_size
     tp = -(-t // block) * block
@@ -198,9 +203,11 @@ def decode_tokens(p) -> torch.Tensor:
     out = torch.empty(m * t, c, dtype=p.dtype, device=p.packed.device)
     r_last, grid, meta = _grid_and_meta(c, n_full, rest, group, p.bits, block)
     top = _top(p.dtype)
-    _launch("decode", grid, out, t, tp, c, n_full, rest, r_last,
-            full, full if last is None else last, p.lo if p.lfc is None else p.lfc, p.lo, p.scale, top,
-            HAS_LFC=p.lfc is not None, CLAMP=p.dtype != torch.float32, OUT_BF16=p.dtype == torch.bfloat16, **meta)
+    rs = p.row_scale
+    _launch("decode", grid, out, t, tp, c, n_full, rest, r_last, full, full if last is None else last,
+            p.lo if p.lfc is None else p.lfc, p.lo, p.scale, p.lo if rs is None else rs, top,
+            HAS_LFC=p.lfc is not None, CLAMP=p.dtype != torch.float32, OUT_BF16=p.dtype == torch.bfloat16,
+            ROW_SCALE=rs is not None, **meta)
     if p.rows is not None and p.rows.numel():
         keep = p.row_keep
         bc = max(16, min(_pow2(c), 1024))
@@ -209,9 +216,9 @@ def decode_tokens(p) -> torch.Tensor:
     return out.view(m, t, c)
 
 
-def exact_tokens(x3: torch.Tensor, ratio: float) -> dict:
-    """The outlier tokens of ``(M, T, C)`` (any dtype and strides) at a fixed capacity, with no
-    host synchronisation; two launches. Returns ``slot`` (``(M*T,)`` int32: ``2 * slot + 1`` for
+def exact_tokens(x3: torch.Tensor, ratio: float, row_scale: torch.Tensor | None = None) -> dict:
+    """The outlier tokens of ``(M, T, C)`` (any dtype and strides; divided by ``row_scale``, as
+    :func:`encode_tokens` takes it) at a fixed capacity, with no host synchronisation; two launches. Returns ``slot`` (``(M*T,)`` int32: ``2 * slot + 1`` for
     a token held exact, -1 otherwise), ``rows`` (``(k, C)`` in ``x3``'s dtype, filled by
     :func:`encode_tokens`), ``row_index`` (int64) and ``row_keep`` (bool), ``k = max(1, M*T // 64)``
     as :func:`hf_division.quant.exact_tokens.outlier_candidates`.
@@ -231,7 +238,8 @@ def exact_tokens(x3: torch.Tensor, ratio: float) -> dict:
     bt = 64
     bc = max(16, min(_pow2(c), 2048 // bt))
     _launch("score", (_cdiv(max(n, k), bt),), x3, *x3.stride(), t, c, n, score, row_index,
-            row_keep.view(torch.int8), count, k, BT=bt, BC=bc)
+            row_keep.view(torch.int8), count, k, score if row_scale is None else row_scale, BT=bt, BC=bc,
+            ROW_SCALE=row_scale is not None)
     bt = 1024
     _launch("select", (_cdiv(n, bt),), score, n, _cdiv(n, SAMPLE), k, float(ratio), slot, row_index,
             row_keep.view(torch.int8), count, SAMPLE=SAMPLE, BT=bt)
@@ -258,15 +266,22 @@ def compile_all(arch: int = 90) -> dict:
 
 
 def _encode_types(x: str, lfc: str) -> dict:
-    return {"x_ptr": x, "seed_ptr": "*i64", "slot_ptr": "*i32", "rows_ptr": x, "full_ptr": "*i32", "last_ptr": "*u8",
-            "lfc_ptr": lfc, "lo_ptr": "*bf16", "scale_ptr": "*bf16"}
+    return {"x_ptr": x, "seed_ptr": "*i64", "slot_ptr": "*i32", "rows_ptr": x, "rs_ptr": "*fp32", "top": "fp32",
+            "full_ptr": "*i32", "last_ptr": "*u8", "lfc_ptr": lfc, "lo_ptr": "*bf16", "scale_ptr": "*bf16"}
 
 
 def _decode_types(out: str, lfc: str) -> dict:
     return {"out_ptr": out, "full_ptr": "*i32", "last_ptr": "*u8", "lfc_ptr": lfc, "lo_ptr": "*bf16",
-            "scale_ptr": "*bf16", "top": "fp32"}
+            "scale_ptr": "*bf16", "rs_ptr": "*fp32", "top": "fp32"}
 
 
+def _score_types(x: str) -> dict:
+    return {"x_ptr": x, "score_ptr": "*fp32", "index_ptr": "*i64", "keep_ptr": "*i8", "count_ptr": "*i32",
+            "rs_ptr": "*fp32"}
+
+
+#: no row scale (the encode's rows kept as they are)
+_NO_RS = dict(ROW_SCALE=False, ROWS_BF16=False)
 #: the defaults' 4-bit groups of 256 tokens with an LFC of 16-token blocks, a ragged last group
 _G4 = dict(BITS=4, BLOCK=16, GROUP=256, BC=64, R_FULL=32, FULL32=True, LAST32=False, RT_FULL=32, RT_LAST=128)
 #: gated decoders' activation inputs: 32-token groups, no LFC, at 8 bits
@@ -277,23 +292,29 @@ _G2 = dict(BITS=2, BLOCK=8, GROUP=256, BC=64, R_FULL=16, FULL32=True, LAST32=Tru
 
 #: variant -> (kernel, argument types, constants): what :func:`compile_all` compiles
 COMPILED_VARIANTS = {
-    "encode": ("encode", _encode_types("*bf16", "*bf16"), dict(_G4, NBT=16, LFC=1, HAS_SEED=True, HAS_SLOT=True)),
+    "encode": ("encode", _encode_types("*bf16", "*bf16"), dict(_G4, NBT=16, LFC=1, HAS_SEED=True, HAS_SLOT=True, **_NO_RS)),
+    "encode row-scaled": ("encode", _encode_types("*bf16", "*bf16"),
+                          dict(_G4, NBT=16, LFC=1, HAS_SEED=True, HAS_SLOT=True, ROW_SCALE=True, ROWS_BF16=True)),
     "encode 8-bit no LFC fp32": ("encode", _encode_types("*fp32", "*bf16"),
-                                 dict(_G8, NBT=32, LFC=0, HAS_SEED=True, HAS_SLOT=False)),
+                                 dict(_G8, NBT=32, LFC=0, HAS_SEED=True, HAS_SLOT=False, **_NO_RS)),
     "encode 2-bit fp16 LFC nearest": ("encode", _encode_types("*fp16", "*fp16"),
-                                      dict(_G2, NBT=32, LFC=2, HAS_SEED=False, HAS_SLOT=True)),
+                                      dict(_G2, NBT=32, LFC=2, HAS_SEED=False, HAS_SLOT=True, **_NO_RS)),
     "encode 1-bit fp32 LFC": ("encode", _encode_types("*fp32", "*fp32"),
-                              dict(_G1, NBT=16, LFC=3, HAS_SEED=True, HAS_SLOT=False)),
-    "decode": ("decode", _decode_types("*bf16", "*bf16"), dict(_G4, HAS_LFC=True, CLAMP=True, OUT_BF16=True)),
+                              dict(_G1, NBT=16, LFC=3, HAS_SEED=True, HAS_SLOT=False, **_NO_RS)),
+    "decode": ("decode", _decode_types("*bf16", "*bf16"),
+               dict(_G4, HAS_LFC=True, CLAMP=True, OUT_BF16=True, ROW_SCALE=False)),
+    "decode row-scaled": ("decode", _decode_types("*bf16", "*bf16"),
+                          dict(_G4, HAS_LFC=True, CLAMP=True, OUT_BF16=True, ROW_SCALE=True)),
     "decode 8-bit no LFC fp32": ("decode", _decode_types("*fp32", "*bf16"),
-                                 dict(_G8, HAS_LFC=False, CLAMP=False, OUT_BF16=False)),
-    "decode 2-bit fp16": ("decode", _decode_types("*fp16", "*fp16"), dict(_G2, HAS_LFC=True, CLAMP=True, OUT_BF16=False)),
+                                 dict(_G8, HAS_LFC=False, CLAMP=False, OUT_BF16=False, ROW_SCALE=False)),
+    "decode 2-bit fp16": ("decode", _decode_types("*fp16", "*fp16"),
+                          dict(_G2, HAS_LFC=True, CLAMP=True, OUT_BF16=False, ROW_SCALE=False)),
     "put_rows": ("put_rows", {"out_ptr": "*bf16", "rows_ptr": "*bf16", "index_ptr": "*i64", "keep_ptr": "*i8"},
                  dict(HAS_KEEP=True, BC=64)),
     "put_rows all kept": ("put_rows", {"out_ptr": "*fp32", "rows_ptr": "*fp32", "index_ptr": "*i64", "keep_ptr": "*i64"},
                           dict(HAS_KEEP=False, BC=64)),
-    "score": ("score", {"x_ptr": "*bf16", "score_ptr": "*fp32", "index_ptr": "*i64", "keep_ptr": "*i8",
-                        "count_ptr": "*i32"}, dict(C=576, BT=64, BC=32)),
+    "score": ("score", _score_types("*bf16"), dict(C=576, BT=64, BC=32, ROW_SCALE=False)),
+    "score row-scaled": ("score", _score_types("*fp32"), dict(C=576, BT=64, BC=32, ROW_SCALE=True)),
     "select": ("select", {"score_ptr": "*fp32", "slot_ptr": "*i32", "index_ptr": "*i64", "keep_ptr": "*i8",
                           "count_ptr": "*i32", "ratio": "fp32"}, dict(SAMPLE=SAMPLE, BT=1024)),
 }

@@ -57,11 +57,16 @@ def token_rows(p, T, Tp, sm, st):
 
 
 @triton.jit
-def load_tokens(x_ptr, p, ok, ch, cmask, T, Tp, sm, st, sc, slot_ptr, HAS_SLOT: tl.constexpr):
-    """``(tokens p x channels ch)`` float32, the exact tokens zeroed; and their slots."""
+def load_tokens(x_ptr, p, ok, ch, cmask, T, Tp, sm, st, sc, slot_ptr, rs_ptr, HAS_SLOT: tl.constexpr,
+                ROW_SCALE: tl.constexpr):
+    """``(tokens p x channels ch)`` float32 (divided by their row's scale, ROW_SCALE), the exact
+    tokens zeroed; and their slots."""
     off, tok, real = token_rows(p, T, Tp, sm, st)
     mask = ok[:, None] & cmask[None, :]
     v = tl.load(x_ptr + off[:, None] + ch[None, :] * sc, mask=mask, other=0.0).to(tl.float32)
+    if ROW_SCALE:  # correctly rounded, as torch divides
+        s = tl.load(rs_ptr + tok, mask=ok, other=1.0)
+        v = tl.math.div_rn(v, tl.zeros_like(v) + s[:, None])
     slot = tl.full(p.shape, -1, tl.int32)
     if HAS_SLOT:
         slot = tl.load(slot_ptr + tok, mask=ok, other=-1)
@@ -70,14 +75,16 @@ def load_tokens(x_ptr, p, ok, ch, cmask, T, Tp, sm, st, sc, slot_ptr, HAS_SLOT: 
 
 
 @triton.jit
-def block_means(x_ptr, p0, glen, ch, cmask, T, Tp, sm, st, sc, slot_ptr, lfc_ptr, lfc0, C,
-                BLOCK: tl.constexpr, NBT: tl.constexpr, LFC: tl.constexpr, HAS_SLOT: tl.constexpr):
+def block_means(x_ptr, p0, glen, ch, cmask, T, Tp, sm, st, sc, slot_ptr, rs_ptr, lfc_ptr, lfc0, C,
+                BLOCK: tl.constexpr, NBT: tl.constexpr, LFC: tl.constexpr, HAS_SLOT: tl.constexpr,
+                ROW_SCALE: tl.constexpr):
     """Store the group's block means (summed in token order from +0, as ``block_sum``)."""
     b = tl.arange(0, NBT)
     ok = b < glen // BLOCK
     acc = tl.full((NBT, ch.shape[0]), 0, tl.float32)
     for j in tl.static_range(BLOCK):
-        v, _, _ = load_tokens(x_ptr, p0 + b * BLOCK + j, ok, ch, cmask, T, Tp, sm, st, sc, slot_ptr, HAS_SLOT)
+        v, _, _ = load_tokens(x_ptr, p0 + b * BLOCK + j, ok, ch, cmask, T, Tp, sm, st, sc, slot_ptr, rs_ptr,
+                              HAS_SLOT, ROW_SCALE)
         acc = acc + v
     mean = round_lfc(acc * (1.0 / BLOCK), LFC)
     where = lfc_ptr + (lfc0 + b).to(tl.int64)[:, None] * C + ch[None, :]
@@ -85,10 +92,11 @@ def block_means(x_ptr, p0, glen, ch, cmask, T, Tp, sm, st, sc, slot_ptr, lfc_ptr
 
 
 @triton.jit
-def residual(x_ptr, p0, r, ok, ch, cmask, T, Tp, sm, st, sc, slot_ptr, lfc_ptr, lfc0, C,
-             BLOCK: tl.constexpr, LFC: tl.constexpr, HAS_SLOT: tl.constexpr):
-    """The HFC of tokens ``p0 + r``: x minus its block's stored mean; the raw x; slots; real."""
-    v, slot, real = load_tokens(x_ptr, p0 + r, ok, ch, cmask, T, Tp, sm, st, sc, slot_ptr, HAS_SLOT)
+def residual(x_ptr, p0, r, ok, ch, cmask, T, Tp, sm, st, sc, slot_ptr, rs_ptr, lfc_ptr, lfc0, C,
+             BLOCK: tl.constexpr, LFC: tl.constexpr, HAS_SLOT: tl.constexpr, ROW_SCALE: tl.constexpr):
+    """The HFC of tokens ``p0 + r``: x minus its block's stored mean; slots; real."""
+    v, slot, real = load_tokens(x_ptr, p0 + r, ok, ch, cmask, T, Tp, sm, st, sc, slot_ptr, rs_ptr, HAS_SLOT,
+                                ROW_SCALE)
     h = v
     if LFC != 0:
         where = lfc_ptr + (lfc0 + r // BLOCK).to(tl.int64)[:, None] * C + ch[None, :]
@@ -98,14 +106,16 @@ def residual(x_ptr, p0, r, ok, ch, cmask, T, Tp, sm, st, sc, slot_ptr, lfc_ptr, 
 
 @triton.jit
 def encode_group(x_ptr, p0, glen, R, word_ptr, g, ch, cmask, T, Tp, C, sm, st, sc, seed, slot_ptr, rows_ptr,
-                 lfc_ptr, lo_ptr, scale_ptr, BITS: tl.constexpr, BLOCK: tl.constexpr, NBT: tl.constexpr,
-                 PER: tl.constexpr, RT: tl.constexpr, WORD32: tl.constexpr, LFC: tl.constexpr,
-                 HAS_SEED: tl.constexpr, HAS_SLOT: tl.constexpr):
-    """One group of ``glen`` tokens x the channels ``ch``: block means, range, codes."""
+                 rs_ptr, top, lfc_ptr, lo_ptr, scale_ptr, BITS: tl.constexpr, BLOCK: tl.constexpr,
+                 NBT: tl.constexpr, PER: tl.constexpr, RT: tl.constexpr, WORD32: tl.constexpr, LFC: tl.constexpr,
+                 HAS_SEED: tl.constexpr, HAS_SLOT: tl.constexpr, ROW_SCALE: tl.constexpr, ROWS_BF16: tl.constexpr):
+    """One group of ``glen`` tokens x the channels ``ch``: block means, range, codes. ROW_SCALE:
+    the tokens divided by their row's scale are encoded, and an exact token's row is held as
+    dividing then multiplying rebuilds it (clamped to ``top``, in the rows' dtype)."""
     lfc0 = p0 // BLOCK
     if LFC != 0:
-        block_means(x_ptr, p0, glen, ch, cmask, T, Tp, sm, st, sc, slot_ptr, lfc_ptr, lfc0, C,
-                    BLOCK, NBT, LFC, HAS_SLOT)
+        block_means(x_ptr, p0, glen, ch, cmask, T, Tp, sm, st, sc, slot_ptr, rs_ptr, lfc_ptr, lfc0, C,
+                    BLOCK, NBT, LFC, HAS_SLOT, ROW_SCALE)
         tl.debug_barrier()  # the means are read back below by other threads of this program
     u = tl.arange(0, RT)
     lo = tl.full((ch.shape[0],), float("inf"), tl.float32)
@@ -113,8 +123,8 @@ def encode_group(x_ptr, p0, glen, R, word_ptr, g, ch, cmask, T, Tp, C, sm, st, s
     for i in tl.static_range(PER):
         r = u + i * R
         ok = (u < R) & (r < glen)
-        h, _, _ = residual(x_ptr, p0, r, ok, ch, cmask, T, Tp, sm, st, sc, slot_ptr, lfc_ptr, lfc0, C,
-                           BLOCK, LFC, HAS_SLOT)
+        h, _, _ = residual(x_ptr, p0, r, ok, ch, cmask, T, Tp, sm, st, sc, slot_ptr, rs_ptr, lfc_ptr, lfc0, C,
+                           BLOCK, LFC, HAS_SLOT, ROW_SCALE)
         lo = tl.minimum(lo, tl.min(tl.where(ok[:, None], h, float("inf")), axis=0))
         hi = tl.maximum(hi, tl.max(tl.where(ok[:, None], h, float("-inf")), axis=0))
     levels = (1 << BITS) - 1
@@ -127,8 +137,8 @@ def encode_group(x_ptr, p0, glen, R, word_ptr, g, ch, cmask, T, Tp, C, sm, st, s
     for i in tl.static_range(PER):
         r = u + i * R
         ok = (u < R) & (r < glen)
-        h, slot, real = residual(x_ptr, p0, r, ok, ch, cmask, T, Tp, sm, st, sc, slot_ptr, lfc_ptr, lfc0, C,
-                                 BLOCK, LFC, HAS_SLOT)
+        h, slot, real = residual(x_ptr, p0, r, ok, ch, cmask, T, Tp, sm, st, sc, slot_ptr, rs_ptr, lfc_ptr, lfc0,
+                                 C, BLOCK, LFC, HAS_SLOT, ROW_SCALE)
         y = (h - lo[None, :]) * inv[None, :]
         if HAS_SEED:
             y = y + hash_uniform((p0 + r).to(tl.int64)[:, None] * C + ch[None, :], seed)
@@ -138,8 +148,15 @@ def encode_group(x_ptr, p0, glen, R, word_ptr, g, ch, cmask, T, Tp, C, sm, st, s
         word = word | (tl.where(ok[:, None], q, 0) << (BITS * i))
         if HAS_SLOT:  # the exact tokens' rows, as held (once: not from a padded copy)
             held = ok & real & (slot >= 0)
-            off, _, _ = token_rows(p0 + r, T, Tp, sm, st)
+            off, tok, _ = token_rows(p0 + r, T, Tp, sm, st)
             v = tl.load(x_ptr + off[:, None] + ch[None, :] * sc, mask=held[:, None] & cmask[None, :])
+            if ROW_SCALE:
+                s = tl.zeros((RT, ch.shape[0]), tl.float32) + tl.load(rs_ptr + tok, mask=held, other=1.0)[:, None]
+                w = tl.math.div_rn(v.to(tl.float32), s) * s
+                w = tl.where(top > 0, tl.minimum(tl.maximum(w, -top), top), w)  # top 0: float32, not clamped
+                if ROWS_BF16:  # to nearest even on the bits, as for the rebuild
+                    w = round_lfc(w, 1)
+                v = w.to(rows_ptr.dtype.element_ty)
             tl.store(rows_ptr + (slot >> 1).to(tl.int64)[:, None] * C + ch[None, :], v,
                      mask=held[:, None] & cmask[None, :])
     where = u[:, None] * C + ch[None, :]
@@ -151,12 +168,12 @@ def encode_group(x_ptr, p0, glen, R, word_ptr, g, ch, cmask, T, Tp, C, sm, st, s
 
 
 @triton.jit
-def encode_kernel(x_ptr, sm, st, sc, T, Tp, C, n_full, rest, r_last, seed_ptr, slot_ptr, rows_ptr,
+def encode_kernel(x_ptr, sm, st, sc, T, Tp, C, n_full, rest, r_last, seed_ptr, slot_ptr, rows_ptr, rs_ptr, top,
                   full_ptr, last_ptr, lfc_ptr, lo_ptr, scale_ptr,
                   BITS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, BC: tl.constexpr,
                   R_FULL: tl.constexpr, FULL32: tl.constexpr, LAST32: tl.constexpr,
                   RT_FULL: tl.constexpr, RT_LAST: tl.constexpr, NBT: tl.constexpr, LFC: tl.constexpr,
-                  HAS_SEED: tl.constexpr, HAS_SLOT: tl.constexpr):
+                  HAS_SEED: tl.constexpr, HAS_SLOT: tl.constexpr, ROW_SCALE: tl.constexpr, ROWS_BF16: tl.constexpr):
     """Grid (groups, channel blocks): the full groups, then the last, partial one."""
     g = tl.program_id(0)
     ch = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -167,20 +184,22 @@ def encode_kernel(x_ptr, sm, st, sc, T, Tp, C, n_full, rest, r_last, seed_ptr, s
     p0 = g * GROUP
     if g < n_full:
         encode_group(x_ptr, p0, GROUP, R_FULL, full_ptr + g.to(tl.int64) * R_FULL * C, g, ch, cmask, T, Tp, C,
-                     sm, st, sc, seed, slot_ptr, rows_ptr, lfc_ptr, lo_ptr, scale_ptr, BITS, BLOCK,
-                     NBT, 32 // BITS if FULL32 else 8 // BITS, RT_FULL, FULL32, LFC, HAS_SEED, HAS_SLOT)
+                     sm, st, sc, seed, slot_ptr, rows_ptr, rs_ptr, top, lfc_ptr, lo_ptr, scale_ptr, BITS, BLOCK,
+                     NBT, 32 // BITS if FULL32 else 8 // BITS, RT_FULL, FULL32, LFC, HAS_SEED, HAS_SLOT,
+                     ROW_SCALE, ROWS_BF16)
     else:
         encode_group(x_ptr, p0, rest, r_last, last_ptr, g, ch, cmask, T, Tp, C,
-                     sm, st, sc, seed, slot_ptr, rows_ptr, lfc_ptr, lo_ptr, scale_ptr, BITS, BLOCK,
+                     sm, st, sc, seed, slot_ptr, rows_ptr, rs_ptr, top, lfc_ptr, lo_ptr, scale_ptr, BITS, BLOCK,
                      NBT, 32 // BITS if LAST32 else 8 // BITS, RT_LAST, LAST32, LFC, HAS_SEED,
-                     HAS_SLOT)
+                     HAS_SLOT, ROW_SCALE, ROWS_BF16)
 
 
 @triton.jit
-def decode_group(out_ptr, p0, glen, R, word_ptr, g, ch, cmask, T, Tp, C, lfc_ptr, lo_ptr, scale_ptr, top,
+def decode_group(out_ptr, p0, glen, R, word_ptr, g, ch, cmask, T, Tp, C, lfc_ptr, lo_ptr, scale_ptr, rs_ptr, top,
                  BITS: tl.constexpr, BLOCK: tl.constexpr, PER: tl.constexpr, RT: tl.constexpr,
-                 HAS_LFC: tl.constexpr, CLAMP: tl.constexpr, OUT_BF16: tl.constexpr):
-    """One group's real tokens rebuilt into ``out`` (``(M*T, C)``, its dtype)."""
+                 HAS_LFC: tl.constexpr, CLAMP: tl.constexpr, OUT_BF16: tl.constexpr, ROW_SCALE: tl.constexpr):
+    """One group's real tokens rebuilt into ``out`` (``(M*T, C)``, its dtype), times their row's
+    scale (ROW_SCALE) before the clamp."""
     u = tl.arange(0, RT)
     mask = (u < R)[:, None] & cmask[None, :]
     word = tl.load(word_ptr + u[:, None] * C + ch[None, :], mask=mask, other=0).to(tl.int32)
@@ -196,6 +215,8 @@ def decode_group(out_ptr, p0, glen, R, word_ptr, g, ch, cmask, T, Tp, C, lfc_ptr
             where = lfc_ptr + ((p0 + r) // BLOCK).to(tl.int64)[:, None] * C + ch[None, :]
             base = base + tl.load(where, mask=ok[:, None] & cmask[None, :], other=0.0).to(tl.float32)
         v = base + q * scale[None, :]
+        if ROW_SCALE:
+            v = v * tl.load(rs_ptr + tok, mask=ok & real, other=1.0)[:, None]
         if CLAMP:
             v = tl.minimum(tl.maximum(v, -top), top)
         if OUT_BF16:  # to nearest even on the bits: the interpreter's own cast truncates
@@ -205,21 +226,23 @@ def decode_group(out_ptr, p0, glen, R, word_ptr, g, ch, cmask, T, Tp, C, lfc_ptr
 
 
 @triton.jit
-def decode_kernel(out_ptr, T, Tp, C, n_full, rest, r_last, full_ptr, last_ptr, lfc_ptr, lo_ptr, scale_ptr, top,
-                  BITS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, BC: tl.constexpr,
+def decode_kernel(out_ptr, T, Tp, C, n_full, rest, r_last, full_ptr, last_ptr, lfc_ptr, lo_ptr, scale_ptr, rs_ptr,
+                  top, BITS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, BC: tl.constexpr,
                   R_FULL: tl.constexpr, FULL32: tl.constexpr, LAST32: tl.constexpr, RT_FULL: tl.constexpr,
-                  RT_LAST: tl.constexpr, HAS_LFC: tl.constexpr, CLAMP: tl.constexpr, OUT_BF16: tl.constexpr):
+                  RT_LAST: tl.constexpr, HAS_LFC: tl.constexpr, CLAMP: tl.constexpr, OUT_BF16: tl.constexpr,
+                  ROW_SCALE: tl.constexpr):
     g = tl.program_id(0)
     ch = tl.program_id(1) * BC + tl.arange(0, BC)
     cmask = ch < C
     p0 = g * GROUP
     if g < n_full:
         decode_group(out_ptr, p0, GROUP, R_FULL, full_ptr + g.to(tl.int64) * R_FULL * C, g, ch, cmask, T, Tp, C,
-                     lfc_ptr, lo_ptr, scale_ptr, top, BITS, BLOCK, 32 // BITS if FULL32 else 8 // BITS, RT_FULL,
-                     HAS_LFC, CLAMP, OUT_BF16)
+                     lfc_ptr, lo_ptr, scale_ptr, rs_ptr, top, BITS, BLOCK, 32 // BITS if FULL32 else 8 // BITS,
+                     RT_FULL, HAS_LFC, CLAMP, OUT_BF16, ROW_SCALE)
     else:
         decode_group(out_ptr, p0, rest, r_last, last_ptr, g, ch, cmask, T, Tp, C, lfc_ptr, lo_ptr, scale_ptr,
-                     top, BITS, BLOCK, 32 // BITS if LAST32 else 8 // BITS, RT_LAST, HAS_LFC, CLAMP, OUT_BF16)
+                     rs_ptr, top, BITS, BLOCK, 32 // BITS if LAST32 else 8 // BITS, RT_LAST, HAS_LFC, CLAMP,
+                     OUT_BF16, ROW_SCALE)
 
 
 @triton.jit
@@ -235,9 +258,10 @@ def put_rows_kernel(out_ptr, rows_ptr, index_ptr, keep_ptr, C, HAS_KEEP: tl.cons
 
 
 @triton.jit
-def score_kernel(x_ptr, sm, st, sc, T, C: tl.constexpr, n, score_ptr, index_ptr, keep_ptr, count_ptr, k,
-                 BT: tl.constexpr, BC: tl.constexpr):
-    """Max |x| per token (float32; the outlier search's score), and the exact rows' bookkeeping
+def score_kernel(x_ptr, sm, st, sc, T, C: tl.constexpr, n, score_ptr, index_ptr, keep_ptr, count_ptr, k, rs_ptr,
+                 BT: tl.constexpr, BC: tl.constexpr, ROW_SCALE: tl.constexpr):
+    """Max |x| per token (float32; the outlier search's score; divided by the row's scale,
+    ROW_SCALE: max |x / s| to the bit, division by s > 0 keeping the order), and the exact rows' bookkeeping
     cleared: no slot taken, none kept. ``C`` is a compile-time constant (one compile per width):
     Triton 3.6's interpreter cannot loop to a runtime bound with NumPy 2.4."""
     pid = tl.program_id(0)
@@ -250,6 +274,8 @@ def score_kernel(x_ptr, sm, st, sc, T, C: tl.constexpr, n, score_ptr, index_ptr,
         ch = c0 + tl.arange(0, BC)
         v = tl.load(x_ptr + off[:, None] + ch[None, :] * sc, mask=ok[:, None] & (ch < C)[None, :], other=0.0)
         best = tl.maximum(best, tl.max(tl.abs(v.to(tl.float32)), axis=1))
+    if ROW_SCALE:
+        best = tl.math.div_rn(best, tl.load(rs_ptr + tok, mask=ok, other=1.0))
     tl.store(score_ptr + tok, best, mask=ok)
     clear = tok < k
     tl.store(index_ptr + tok, tl.full((BT,), 0, tl.int64), mask=clear)
