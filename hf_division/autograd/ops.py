@@ -67,8 +67,8 @@ class LinearFn(torch.autograd.Function):
             gx = grad.matmul(w.t() if ctx.transposed else w)
         g2 = grad.reshape(-1, grad.shape[-1])
         if ctx.entry is not None and ctx.needs_input_grad[1]:
-            x = ctx.entry.take()
-            x2 = x.reshape(-1, x.shape[-1]).to(grad.dtype)
+            x = ctx.entry.take(grad.dtype)
+            x2 = x.reshape(-1, x.shape[-1])
             gw = (x2.t().matmul(g2) if ctx.transposed else g2.t().matmul(x2)).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(0).to(weight.dtype)

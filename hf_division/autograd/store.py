@@ -44,7 +44,7 @@ class Entry:
     """A saved activation held for backward. ``take()`` rebuilds it for one consumer."""
 
     __slots__ = ("packed", "parents", "fn", "whole", "kind", "extra", "sign", "zeros", "uses", "users", "_cache",
-                 "freed", "__weakref__")
+                 "_cast", "freed", "__weakref__")
 
     def __init__(self, kind: str, packed=None, parents: tuple = (), fn: Callable | None = None, extra=(), sign=None,
                  whole: Callable | None = None):
@@ -55,13 +55,21 @@ class Entry:
         self.extra = tuple(extra)  # tensors a recipe needs (e.g. a dropout mask), for accounting
         self.uses = 0  # consumers that have not run their backward yet (in this backward)
         self.users = 0  # consumers in all
-        self._cache = None
+        self._cache = self._cast = None
         self.freed = False
         account([self])
 
-    def take(self) -> torch.Tensor:
-        """The rebuilt tensor for one consumer's backward (which then counts as done with it)."""
+    def take(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The rebuilt tensor for one consumer's backward (which then counts as done with it), cast
+        to ``dtype`` if given: one cast shared by the consumers that ask for it (the q, k and v
+        projections of one normalized input under autocast, which each cast it before)."""
         value = self.get()
+        if dtype is not None and value.dtype != dtype:
+            cast = self._cast
+            if cast is None or cast.dtype != dtype:
+                cast = value.to(dtype)
+                self._cast = cast if self.uses > 1 else None
+            value = cast
         self.done()
         return value
 
@@ -111,7 +119,7 @@ class Entry:
         during backward (docs/DESIGN.md, "One copy per tensor, keyed on a live reference")."""
         self.uses -= 1
         if self.uses <= 0:
-            self._cache = None
+            self._cache = self._cast = None
             keep = _backward_keeps_graph()
             if keep:  # a retained graph: the next backward goes through every consumer again
                 self.uses = self.users

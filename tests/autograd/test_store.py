@@ -1,0 +1,28 @@
+"""Store entries: what one rebuild serves."""
+import torch
+
+from hf_division.analysis.launches import KernelCounter
+from hf_division.autograd import store
+from hf_division.config import DivisionConfig
+
+
+def test_consumers_asking_for_one_dtype_share_one_cast():
+    """Three consumers of one held float32 tensor taking it as bf16 (the q, k and v projections
+    under autocast): one rebuild, one cast, the same values as casting the rebuild; the cast is
+    let go with the last consumer."""
+    x = torch.randn(2, 64, 32)
+    entry = store.keep(x, "linear", DivisionConfig(min_numel=0))
+    for _ in range(2):
+        entry.add_user()
+    with KernelCounter() as counter:
+        got = [entry.take(torch.bfloat16) for _ in range(3)]
+    assert counter.ops["_to_copy"] == 1, counter.ops
+    assert all(g is got[0] for g in got) and got[0].dtype == torch.bfloat16
+    y = store.keep(x * 2, "linear", DivisionConfig(min_numel=0))
+    plain = y.take()
+    assert plain.dtype == torch.float32 and y._cast is None and entry._cast is None and entry._cache is None
+    whole = store.keep(x + 1, "linear", DivisionConfig(min_numel=0))
+    whole.add_user()
+    rebuilt = whole.get()
+    assert torch.equal(whole.take(torch.bfloat16), rebuilt.to(torch.bfloat16))
+    assert whole.take().dtype == torch.float32  # the other consumer still gets the rebuild itself
