@@ -7,6 +7,7 @@ every kernel compiles for an H200 (sm_90) with the Triton installed here.
 
     TRITON_INTERPRET=1 python -m pytest tests/test_triton.py
 """
+import collections
 import contextlib
 import os
 import subprocess
@@ -14,6 +15,7 @@ import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_division.analysis.launches import GPU_SWITCHES, KernelCounter
 from hf_division.compress.backends import EAGER
@@ -265,6 +267,36 @@ def test_row_scaled_launch_budget_and_where_it_declines():
     xt = x.transpose(0, 1)
     assert compress_row_scaled(xt, _rms(xt), **kw) is None
     assert compress_row_scaled(x, rms, exact_tokens=2, **kw) is None
+
+
+class _HostOps(TorchDispatchMode):
+    """Every torch op the host issues outside the kernels, views and allocations included."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not tc.launching():
+            self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_host_ops_per_saved_tensor():
+    """What the host does around the kernels for one saved tensor, each op a dispatch (several
+    microseconds on a GPU's host, docs/DESIGN.md "On a GPU"): at most 13 torch ops to compress it
+    (its buffers, a seed) and 6 to rebuild it; the codes are passed as one buffer, not as typed
+    views, and the outlier search's scratch is one allocation."""
+    x = _tokens(1, 64, 96, torch.bfloat16)
+    kw = dict(bits=4, block_size=16, group_size=256, outlier_ratio=16.0, generator=torch.Generator().manual_seed(0))
+    decompress(compress(x, **kw))
+    with tc.not_run():
+        with _HostOps() as mode:
+            p = compress(x, **kw)
+        assert sum(mode.ops.values()) <= 13 and mode.ops["empty"] + mode.ops["empty_like"] <= 8, mode.ops
+        with _HostOps() as mode:
+            decompress(p)
+        assert sum(mode.ops.values()) <= 6, mode.ops
 
 
 def test_seeds_drawn_in_blocks_follow_the_generator():

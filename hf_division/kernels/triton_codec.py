@@ -27,7 +27,7 @@ import os
 import torch
 
 from hf_division.kernels.switches import switches
-from hf_division.quant.packed import TokenBuffers, code_views
+from hf_division.quant.packed import TokenBuffers, code_bytes
 from hf_division.quant.packing import code_layout
 from hf_division.quant.rounding import SCALE_DTYPE
 
@@ -163,12 +163,11 @@ def encode_tokens(x3: torch.Tensor, seed, bits: int, block: int, group: int, lfc
     row is held as dividing then multiplying rebuilds it, in ``x3``'s dtype."""
     m, t, c = x3.shape
     out = TokenBuffers.empty(m, t, c, bits, block, group, lfc_dtype, SCALE_DTYPE, x3.device)
-    full, last = code_views(out.codes, out.n_full, out.rest, group, bits, c)
-    r_last, grid, meta = _grid_and_meta(c, out.n_full, out.rest, group, bits, block)
+    r_last, split, grid, meta = _grid_and_meta(c, out.n_full, out.rest, group, bits, block)
     slot, rows = (out.lo, out.lo) if exact is None else (exact["slot"], exact["rows"])
     _launch("encode", grid, x3, *x3.stride(), t, out.tokens // m, c, out.n_full, out.rest, r_last,
             out.lo if seed is None else seed, slot, rows, out.lo if row_scale is None else row_scale, _top(x3.dtype),
-            full, out.lo if last is None else last, out.lo if out.lfc is None else out.lfc, out.lo, out.scale,
+            out.codes, split, out.lo if out.lfc is None else out.lfc, out.lo, out.scale,
             HAS_SEED=seed is not None, HAS_SLOT=exact is not None, NBT=_pow2(group // block),
             LFC=LFC_KIND[lfc_dtype if block > 1 else None], ROW_SCALE=row_scale is not None,
             ROWS_BF16=x3.dtype == torch.bfloat16, **meta)
@@ -177,12 +176,14 @@ def encode_tokens(x3: torch.Tensor, seed, bits: int, block: int, group: int, lfc
 
 @functools.lru_cache(maxsize=1024)
 def _grid_and_meta(c: int, n_full: int, rest: int, group: int, bits: int, block: int) -> tuple:
-    """``(r_last, grid, constants)`` of an encode or decode launch over ``n_full`` groups and a
-    last one of ``rest`` tokens, ``c`` channels; cached: it runs for every saved tensor, with
-    the few shapes of one model (docs/DESIGN.md, "On a GPU": host time)."""
+    """``(r_last, split, grid, constants)`` of an encode or decode launch over ``n_full`` groups and
+    a last one of ``rest`` tokens, ``c`` channels (``split``: the byte where the last group's words
+    start in the codes); cached: it runs for every saved tensor, with the few shapes of one model
+    (docs/DESIGN.md, "On a GPU": host time)."""
     r_last, lay = _layouts(group, rest, bits)
     bc = _channel_tile(c, lay["R_FULL"])
-    return r_last, (n_full + (rest > 0), _cdiv(c, bc)), dict(BITS=bits, BLOCK=block, GROUP=group, BC=bc, **lay)
+    return (r_last, code_bytes(n_full, group, bits, c), (n_full + (rest > 0), _cdiv(c, bc)),
+            dict(BITS=bits, BLOCK=block, GROUP=group, BC=bc, **lay))
 
 
 @functools.lru_cache(maxsize=None)
@@ -199,12 +200,11 @@ def decode_tokens(p) -> torch.Tensor:
     block, group = p.block_size, p.group_size
     tp = -(-t // block) * block
     n_full, rest = divmod(m * tp, group)
-    full, last = code_views(p.packed, n_full, rest, group, p.bits, c)
     out = torch.empty(m * t, c, dtype=p.dtype, device=p.packed.device)
-    r_last, grid, meta = _grid_and_meta(c, n_full, rest, group, p.bits, block)
+    r_last, split, grid, meta = _grid_and_meta(c, n_full, rest, group, p.bits, block)
     top = _top(p.dtype)
     rs = p.row_scale
-    _launch("decode", grid, out, t, tp, c, n_full, rest, r_last, full, full if last is None else last,
+    _launch("decode", grid, out, t, tp, c, n_full, rest, r_last, p.packed, split,
             p.lo if p.lfc is None else p.lfc, p.lo, p.scale, p.lo if rs is None else rs, top,
             HAS_LFC=p.lfc is not None, CLAMP=p.dtype != torch.float32, OUT_BF16=p.dtype == torch.bfloat16,
             ROW_SCALE=rs is not None, **meta)
@@ -218,9 +218,10 @@ def decode_tokens(p) -> torch.Tensor:
 
 def exact_tokens(x3: torch.Tensor, ratio: float, row_scale: torch.Tensor | None = None) -> dict:
     """The outlier tokens of ``(M, T, C)`` (any dtype and strides; divided by ``row_scale``, as
-    :func:`encode_tokens` takes it) at a fixed capacity, with no host synchronisation; two launches. Returns ``slot`` (``(M*T,)`` int32: ``2 * slot + 1`` for
-    a token held exact, -1 otherwise), ``rows`` (``(k, C)`` in ``x3``'s dtype, filled by
-    :func:`encode_tokens`), ``row_index`` (int64) and ``row_keep`` (bool), ``k = max(1, M*T // 64)``
+    :func:`encode_tokens` takes it) at a fixed capacity, with no host synchronisation; two
+    launches. Returns ``slot`` (int32, its first ``M*T``: ``2 * slot + 1`` for a token held exact,
+    -1 otherwise; the search's scratch after them), ``rows`` (``(k, C)`` in ``x3``'s dtype, filled
+    by :func:`encode_tokens`), ``row_index`` (int64) and ``row_keep`` (bool), ``k = max(1, M*T // 64)``
     as :func:`hf_division.quant.exact_tokens.outlier_candidates`.
 
     The criterion is that function's, max |x| of a token above ``ratio`` times the median token's,
@@ -230,21 +231,18 @@ def exact_tokens(x3: torch.Tensor, ratio: float, row_scale: torch.Tensor | None 
     n = m * t
     k = min(max(1, n // 64), n)
     dev = x3.device
-    score = torch.empty(n, dtype=torch.float32, device=dev)
-    slot = torch.empty(n, dtype=torch.int32, device=dev)
+    work = torch.empty(2 * n + 1, dtype=torch.int32, device=dev)  # the slots, then the scores and a counter
     row_index = torch.empty(k, dtype=torch.int64, device=dev)
-    row_keep = torch.empty(k, dtype=torch.bool, device=dev)
-    count = torch.empty(1, dtype=torch.int32, device=dev)
+    keep = torch.empty(k, dtype=torch.int8, device=dev)
     bt = 64
     bc = max(16, min(_pow2(c), 2048 // bt))
-    _launch("score", (_cdiv(max(n, k), bt),), x3, *x3.stride(), t, c, n, score, row_index,
-            row_keep.view(torch.int8), count, k, score if row_scale is None else row_scale, BT=bt, BC=bc,
-            ROW_SCALE=row_scale is not None)
+    _launch("score", (_cdiv(max(n, k), bt),), x3, *x3.stride(), t, c, n, work, row_index, keep, k,
+            work if row_scale is None else row_scale, BT=bt, BC=bc, ROW_SCALE=row_scale is not None)
     bt = 1024
-    _launch("select", (_cdiv(n, bt),), score, n, _cdiv(n, SAMPLE), k, float(ratio), slot, row_index,
-            row_keep.view(torch.int8), count, SAMPLE=SAMPLE, BT=bt)
+    _launch("select", (_cdiv(n, bt),), work, n, _cdiv(n, SAMPLE), k, float(ratio), row_index, keep,
+            SAMPLE=SAMPLE, BT=bt)
     rows = torch.empty(k, c, dtype=x3.dtype, device=dev)
-    return dict(slot=slot, rows=rows, row_index=row_index, row_keep=row_keep)
+    return dict(slot=work, rows=rows, row_index=row_index, row_keep=keep.view(torch.bool))
 
 
 def compile_all(arch: int = 90) -> dict:
@@ -267,17 +265,16 @@ def compile_all(arch: int = 90) -> dict:
 
 def _encode_types(x: str, lfc: str) -> dict:
     return {"x_ptr": x, "seed_ptr": "*i64", "slot_ptr": "*i32", "rows_ptr": x, "rs_ptr": "*fp32", "top": "fp32",
-            "full_ptr": "*i32", "last_ptr": "*u8", "lfc_ptr": lfc, "lo_ptr": "*bf16", "scale_ptr": "*bf16"}
+            "codes_ptr": "*u8", "split": "i32", "lfc_ptr": lfc, "lo_ptr": "*bf16", "scale_ptr": "*bf16"}
 
 
 def _decode_types(out: str, lfc: str) -> dict:
-    return {"out_ptr": out, "full_ptr": "*i32", "last_ptr": "*u8", "lfc_ptr": lfc, "lo_ptr": "*bf16",
+    return {"out_ptr": out, "codes_ptr": "*u8", "split": "i32", "lfc_ptr": lfc, "lo_ptr": "*bf16",
             "scale_ptr": "*bf16", "rs_ptr": "*fp32", "top": "fp32"}
 
 
 def _score_types(x: str) -> dict:
-    return {"x_ptr": x, "score_ptr": "*fp32", "index_ptr": "*i64", "keep_ptr": "*i8", "count_ptr": "*i32",
-            "rs_ptr": "*fp32"}
+    return {"x_ptr": x, "work_ptr": "*i32", "index_ptr": "*i64", "keep_ptr": "*i8", "rs_ptr": "*fp32"}
 
 
 #: no row scale (the encode's rows kept as they are)
@@ -315,8 +312,8 @@ COMPILED_VARIANTS = {
                           dict(HAS_KEEP=False, BC=64)),
     "score": ("score", _score_types("*bf16"), dict(C=576, BT=64, BC=32, ROW_SCALE=False)),
     "score row-scaled": ("score", _score_types("*fp32"), dict(C=576, BT=64, BC=32, ROW_SCALE=True)),
-    "select": ("select", {"score_ptr": "*fp32", "slot_ptr": "*i32", "index_ptr": "*i64", "keep_ptr": "*i8",
-                          "count_ptr": "*i32", "ratio": "fp32"}, dict(SAMPLE=SAMPLE, BT=1024)),
+    "select": ("select", {"work_ptr": "*i32", "index_ptr": "*i64", "keep_ptr": "*i8", "ratio": "fp32"},
+               dict(SAMPLE=SAMPLE, BT=1024)),
 }
 
 

@@ -46,6 +46,24 @@ def round_lfc(v, LFC: tl.constexpr):
 
 
 @triton.jit
+def group_words(codes_ptr, g, split, C, R_FULL: tl.constexpr, FULL32: tl.constexpr, LAST32: tl.constexpr,
+                FULL: tl.constexpr):
+    """Where group ``g``'s words start in the codes (one uint8 buffer: the full groups' words,
+    then from byte ``split`` the last group's), as a pointer of their type (int32 or uint8): the
+    launchers pass the buffer as it is, with no typed views made per tensor on the host."""
+    if FULL:
+        if FULL32:
+            return (codes_ptr + g.to(tl.int64) * (R_FULL * 4) * C).to(tl.pointer_type(tl.int32))
+        else:
+            return codes_ptr + g.to(tl.int64) * R_FULL * C
+    else:
+        if LAST32:
+            return (codes_ptr + split).to(tl.pointer_type(tl.int32))
+        else:
+            return codes_ptr + split
+
+
+@triton.jit
 def token_rows(p, T, Tp, sm, st):
     """Padded token ``p`` of the ``(M*Tp)`` run -> (its element offset, its token among the
     ``M*T``, whether it is a real token): a padded token repeats its row's last."""
@@ -169,7 +187,7 @@ def encode_group(x_ptr, p0, glen, R, word_ptr, g, ch, cmask, T, Tp, C, sm, st, s
 
 @triton.jit
 def encode_kernel(x_ptr, sm, st, sc, T, Tp, C, n_full, rest, r_last, seed_ptr, slot_ptr, rows_ptr, rs_ptr, top,
-                  full_ptr, last_ptr, lfc_ptr, lo_ptr, scale_ptr,
+                  codes_ptr, split, lfc_ptr, lo_ptr, scale_ptr,
                   BITS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, BC: tl.constexpr,
                   R_FULL: tl.constexpr, FULL32: tl.constexpr, LAST32: tl.constexpr,
                   RT_FULL: tl.constexpr, RT_LAST: tl.constexpr, NBT: tl.constexpr, LFC: tl.constexpr,
@@ -183,12 +201,14 @@ def encode_kernel(x_ptr, sm, st, sc, T, Tp, C, n_full, rest, r_last, seed_ptr, s
         seed = tl.load(seed_ptr).to(tl.int64)
     p0 = g * GROUP
     if g < n_full:
-        encode_group(x_ptr, p0, GROUP, R_FULL, full_ptr + g.to(tl.int64) * R_FULL * C, g, ch, cmask, T, Tp, C,
+        encode_group(x_ptr, p0, GROUP, R_FULL, group_words(codes_ptr, g, split, C, R_FULL, FULL32, LAST32, True),
+                     g, ch, cmask, T, Tp, C,
                      sm, st, sc, seed, slot_ptr, rows_ptr, rs_ptr, top, lfc_ptr, lo_ptr, scale_ptr, BITS, BLOCK,
                      NBT, 32 // BITS if FULL32 else 8 // BITS, RT_FULL, FULL32, LFC, HAS_SEED, HAS_SLOT,
                      ROW_SCALE, ROWS_BF16)
     else:
-        encode_group(x_ptr, p0, rest, r_last, last_ptr, g, ch, cmask, T, Tp, C,
+        encode_group(x_ptr, p0, rest, r_last, group_words(codes_ptr, g, split, C, R_FULL, FULL32, LAST32, False),
+                     g, ch, cmask, T, Tp, C,
                      sm, st, sc, seed, slot_ptr, rows_ptr, rs_ptr, top, lfc_ptr, lo_ptr, scale_ptr, BITS, BLOCK,
                      NBT, 32 // BITS if LAST32 else 8 // BITS, RT_LAST, LAST32, LFC, HAS_SEED,
                      HAS_SLOT, ROW_SCALE, ROWS_BF16)
@@ -226,7 +246,7 @@ def decode_group(out_ptr, p0, glen, R, word_ptr, g, ch, cmask, T, Tp, C, lfc_ptr
 
 
 @triton.jit
-def decode_kernel(out_ptr, T, Tp, C, n_full, rest, r_last, full_ptr, last_ptr, lfc_ptr, lo_ptr, scale_ptr, rs_ptr,
+def decode_kernel(out_ptr, T, Tp, C, n_full, rest, r_last, codes_ptr, split, lfc_ptr, lo_ptr, scale_ptr, rs_ptr,
                   top, BITS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, BC: tl.constexpr,
                   R_FULL: tl.constexpr, FULL32: tl.constexpr, LAST32: tl.constexpr, RT_FULL: tl.constexpr,
                   RT_LAST: tl.constexpr, HAS_LFC: tl.constexpr, CLAMP: tl.constexpr, OUT_BF16: tl.constexpr,
@@ -236,11 +256,13 @@ def decode_kernel(out_ptr, T, Tp, C, n_full, rest, r_last, full_ptr, last_ptr, l
     cmask = ch < C
     p0 = g * GROUP
     if g < n_full:
-        decode_group(out_ptr, p0, GROUP, R_FULL, full_ptr + g.to(tl.int64) * R_FULL * C, g, ch, cmask, T, Tp, C,
+        decode_group(out_ptr, p0, GROUP, R_FULL, group_words(codes_ptr, g, split, C, R_FULL, FULL32, LAST32, True),
+                     g, ch, cmask, T, Tp, C,
                      lfc_ptr, lo_ptr, scale_ptr, rs_ptr, top, BITS, BLOCK, 32 // BITS if FULL32 else 8 // BITS,
                      RT_FULL, HAS_LFC, CLAMP, OUT_BF16, ROW_SCALE)
     else:
-        decode_group(out_ptr, p0, rest, r_last, last_ptr, g, ch, cmask, T, Tp, C, lfc_ptr, lo_ptr, scale_ptr,
+        decode_group(out_ptr, p0, rest, r_last, group_words(codes_ptr, g, split, C, R_FULL, FULL32, LAST32, False),
+                     g, ch, cmask, T, Tp, C, lfc_ptr, lo_ptr, scale_ptr,
                      rs_ptr, top, BITS, BLOCK, 32 // BITS if LAST32 else 8 // BITS, RT_LAST, HAS_LFC, CLAMP,
                      OUT_BF16, ROW_SCALE)
 
@@ -258,12 +280,20 @@ def put_rows_kernel(out_ptr, rows_ptr, index_ptr, keep_ptr, C, HAS_KEEP: tl.cons
 
 
 @triton.jit
-def score_kernel(x_ptr, sm, st, sc, T, C: tl.constexpr, n, score_ptr, index_ptr, keep_ptr, count_ptr, k, rs_ptr,
+def work_parts(work_ptr, n):
+    """The outlier search's one int32 work buffer of ``2n + 1``: the slots, the scores (float32),
+    the counter (one allocation on the host where there were three)."""
+    return work_ptr, (work_ptr + n).to(tl.pointer_type(tl.float32)), work_ptr + 2 * n
+
+
+@triton.jit
+def score_kernel(x_ptr, sm, st, sc, T, C: tl.constexpr, n, work_ptr, index_ptr, keep_ptr, k, rs_ptr,
                  BT: tl.constexpr, BC: tl.constexpr, ROW_SCALE: tl.constexpr):
     """Max |x| per token (float32; the outlier search's score; divided by the row's scale,
     ROW_SCALE: max |x / s| to the bit, division by s > 0 keeping the order), and the exact rows' bookkeeping
     cleared: no slot taken, none kept. ``C`` is a compile-time constant (one compile per width):
     Triton 3.6's interpreter cannot loop to a runtime bound with NumPy 2.4."""
+    _, score_ptr, count_ptr = work_parts(work_ptr, n)
     pid = tl.program_id(0)
     tok = pid * BT + tl.arange(0, BT)
     ok = tok < n
@@ -285,12 +315,12 @@ def score_kernel(x_ptr, sm, st, sc, T, C: tl.constexpr, n, score_ptr, index_ptr,
 
 
 @triton.jit
-def select_kernel(score_ptr, n, stride, k, ratio, slot_ptr, index_ptr, keep_ptr, count_ptr,
-                  SAMPLE: tl.constexpr, BT: tl.constexpr):
+def select_kernel(work_ptr, n, stride, k, ratio, index_ptr, keep_ptr, SAMPLE: tl.constexpr, BT: tl.constexpr):
     """Tokens whose score exceeds ``ratio`` times the median of the scores of every ``stride``-th
     token (at most ``SAMPLE`` of them, spread over all ``n``; all when ``n <= SAMPLE``): a slot
     each, up to ``k``. Each program finds the sample's lower median itself (bit by bit: scores are
     >= 0, so their bits order as int32), then takes slots for its tokens from one counter."""
+    slot_ptr, score_ptr, count_ptr = work_parts(work_ptr, n)
     j = tl.arange(0, SAMPLE)
     size = (n + stride - 1) // stride
     s_ok = j < size
