@@ -276,6 +276,10 @@ def _keep_new(t: torch.Tensor, kind: str, config: DivisionConfig, exact_sign: bo
     return entry
 
 
+#: the smallest scale a row is kept at (:func:`_keep_row_scaled`); a 0-d CPU tensor combines with any device's
+_TINY = torch.tensor(torch.finfo(torch.float32).tiny)
+
+
 def _keep_row_scaled(t: torch.Tensor, kind: str, config: DivisionConfig) -> Entry | None:
     """``t`` ``(..., T, C)`` kept as its per-row (token) RMS, exact in float32, times the
     compressed rows divided by it. For the residual stream (norm inputs): a norm normalizes each
@@ -292,8 +296,9 @@ def _keep_row_scaled(t: torch.Tensor, kind: str, config: DivisionConfig) -> Entr
     # codes then rebuild it as (almost) exactly zero. A norm's Jacobian at a zero row is 1/sqrt(eps),
     # a thousand times its value at a row of a group's quantization noise; with left padding the last
     # padding token predicts the first real one, so that Jacobian carries a gradient (issue 41)
-    # (clamped in place: one kernel, where a ``where`` against a filled tensor took three on a GPU)
-    rms = rms.clamp_(min=torch.finfo(torch.float32).tiny)
+    # (``fmax``: one kernel where ``where`` against a filled tensor took three on a GPU, and as
+    # ``where`` it gives a row holding a NaN the smallest scale too, which a clamp would leave NaN)
+    rms = torch.fmax(rms, _TINY)
     fused = compress_row_scaled(x, rms, generator=generator(t.device), **config.compressor_args(kind))
     if fused is not None:  # the division and the product inside the kernels' passes
         if not fused.bits:

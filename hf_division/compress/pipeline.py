@@ -92,7 +92,7 @@ def compress(
         enc, exact = _encode_then_split(backend, x3, seed, bits, block, group, lfc_dtype, ratio, x.dtype)
     elif ratio > 0 and static and not lead and backend.whole:  # chosen by the backend, copied in its encode
         rows = backend.exact_tokens(x3, ratio)
-        exact = dict(rows=rows["rows"], row_index=rows["row_index"], row_keep=rows["row_keep"])
+        exact = _held_rows(rows)
         enc = backend.encode_tokens(x3, seed, bits, block, group, _lfc_dtype(x, x3, block, lfc_dtype, static),
                                     exact=rows)
     else:
@@ -136,7 +136,7 @@ def compress_row_scaled(x: torch.Tensor, row_scale: torch.Tensor, bits: int, blo
         # the LFC's dtype as compressing the float32 quotient at a fixed capacity gives (_lfc_dtype)
         lfc_dtype = torch.float32 if block > 1 and lfc_dtype == torch.float16 else lfc_dtype
         enc = backend.encode_tokens(x3, seed, bits, block, group, lfc_dtype, row_scale, exact=rows)
-        exact = dict(rows=None, row_index=None) if rows is None else {k: rows[k] for k in ("rows", "row_index", "row_keep")}
+        exact = _held_rows(rows)
     elif lead:
         enc, exact, row_scale = _split_then_encode_scaled(backend, x3, seed, bits, block, group, lfc_dtype, ratio,
                                                           row_scale, lead)
@@ -217,6 +217,14 @@ def _token_layout(shape: tuple, strides: tuple, token_dim: int) -> tuple[tuple |
     perm = tuple(sorted(range(len(shape)), key=lambda d: (-strides[d], d)))
     layout = Layout(perm, tuple(shape[d] for d in perm), perm.index(token_dim))
     return (None if perm == tuple(range(len(shape))) else perm), layout
+
+
+def _held_rows(found: dict | None) -> dict:
+    """The Packed fields of the exact rows a backend found at a fixed capacity (``exact_tokens``;
+    None: none searched)."""
+    if found is None:
+        return dict(rows=None, row_index=None)
+    return dict(rows=found["rows"], row_index=found["row_index"], row_keep=found["row_keep"])
 
 
 def _split_exact(x3: torch.Tensor, ratio: float, lead: int, static: bool, dtype: torch.dtype, backend: Backend,

@@ -26,3 +26,20 @@ def test_consumers_asking_for_one_dtype_share_one_cast():
     rebuilt = whole.get()
     assert torch.equal(whole.take(torch.bfloat16), rebuilt.to(torch.bfloat16))
     assert whole.take().dtype == torch.float32  # the other consumer still gets the rebuild itself
+
+
+def test_row_scales_of_zero_and_nan_rows_are_the_smallest_normal():
+    """A norm input kept relative to its rows' RMS: a zero row (a padding embedding) and a row
+    holding a NaN get the smallest normal float32 as their scale (as ``where(rms > 0, rms, tiny)``
+    gives them), every other row its RMS."""
+    x = torch.randn(1, 64, 32)
+    x[0, 3] = 0.0
+    x[0, 7, 5] = float("nan")
+    entry = store.keep(x, "norm", DivisionConfig(min_numel=0))
+    scale = entry.packed.row_scale.view(-1)
+    tiny = torch.finfo(torch.float32).tiny
+    assert scale[3] == tiny and scale[7] == tiny
+    others = torch.ones(64, dtype=torch.bool)
+    others[[3, 7]] = False
+    want = torch.linalg.vector_norm(x[0], dim=-1)[others] * 32 ** -0.5
+    assert torch.equal(scale[others], want)
