@@ -150,6 +150,24 @@ def test_triton_codes_equal_the_reference_on_device(seed):
 
 
 @needs_cuda
+def test_kept_kernels_launch_as_tritons_dispatch_on_device():
+    """Launched again through hf_division/kernels/launcher.py (the ``triton_launch`` switch), the
+    kernels give what Triton's dispatch gives, to the bit, for an aligned tensor and a view 2 bytes
+    off (a specialization of its own), on the current stream (a side stream here)."""
+    flat = torch.randn(2 * 300 * 96 + 8, device=DEV).bfloat16()
+    kw = dict(bits=4, block_size=16, group_size=256, outlier_ratio=4.0)
+    side = torch.cuda.Stream()
+    for x in (flat[:57600].view(2, 300, 96), flat[1:57601].view(2, 300, 96)):
+        got = {}
+        for direct in (False, True, True):  # the second direct pass launches the kept kernels
+            with configured(triton_launch=direct), torch.cuda.stream(side):
+                p = compress(x, generator=torch.Generator(DEV).manual_seed(3), **kw)
+                got[direct] = (p.packed.clone(), p.lfc.clone(), p.scale.clone(), decompress(p))
+            side.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(got[False], got[True]))
+
+
+@needs_cuda
 def test_training_step_without_host_sync_on_device():
     """A whole division step (forward, backward) reads nothing back: CUDA's sync debug mode raises
     at the first op that would."""

@@ -40,6 +40,9 @@ class Switches:
     triton: bool = _switch(
         "The compressor's Triton kernels for token groups on CUDA devices (kernels/triton_kernels.py), where "
         "Triton is importable. Off: the torch kernels (compiled or eager, see `compile`).")
+    triton_launch: bool = _switch(
+        "A Triton kernel launched again through the compiled kernel its first launch returned, kept under a key "
+        "that determines Triton's specialization (kernels/launcher.py). Off: Triton's dispatch at every launch.")
     gated_from_codes: bool = _switch(
         "A SiLU-gated MLP's product and gradients computed natively from the compressed gate and up codes, "
         "neither rebuilt as a tensor (CPU, float32). Off: both rebuilt, then ATen's ops.")

@@ -26,6 +26,7 @@ import os
 
 import torch
 
+from hf_division.kernels import launcher
 from hf_division.kernels.switches import switches
 from hf_division.quant.packed import TokenBuffers, code_bytes
 from hf_division.quant.packing import code_layout
@@ -98,6 +99,18 @@ def _kernels(compile_only: bool = False):
 _KERNELS = None
 
 
+@contextlib.contextmanager
+def kernels_from(module):
+    """Inside, launches go to ``module``'s jit functions (a copy of :mod:`.triton_kernels` compiled for a
+    simulated device: :mod:`hf_division.analysis.simulated_cuda`)."""
+    global _KERNELS
+    before, _KERNELS = _KERNELS, module
+    try:
+        yield
+    finally:
+        _KERNELS = before
+
+
 # ----------------------------------------------------------------------------- launchers
 _launching = {"depth": 0, "skip": False}
 
@@ -110,7 +123,9 @@ def launching() -> bool:
 @contextlib.contextmanager
 def not_run():
     """Inside, launches are counted but not run: what the host spends around the kernels, timed
-    alone (the ``launches`` suite). The outputs are left unwritten."""
+    alone (the ``launches`` suite), each launch's key included where :mod:`.launcher` would launch
+    it (Triton's launch path itself is timed by the ``dispatch`` suite). The outputs are left
+    unwritten."""
     before, _launching["skip"] = _launching["skip"], True
     try:
         yield
@@ -120,11 +135,19 @@ def not_run():
 
 def _launch(name: str, grid: tuple, *args, **meta) -> None:
     _counts["launches"] += 1
+    fn = getattr(_kernels(), name + "_kernel")
+    options = _OPTIONS.get(name, _NO_OPTIONS)
+    direct = switches().triton_launch
     if _launching["skip"]:
+        if direct:  # the host's share of a kept kernel's launch: its key (the driver's call aside)
+            launcher.key(fn, args, meta, options)
         return
     _launching["depth"] += 1
     try:
-        getattr(_kernels(), name + "_kernel")[grid](*args, **meta, **_OPTIONS.get(name, {}))
+        if direct and isinstance(fn, triton.runtime.jit.JITFunction):
+            launcher.launch(fn, grid, args, meta, options)
+        else:  # Triton's dispatch (and the interpreter's)
+            fn[grid](*args, **meta, **options)
     finally:
         _launching["depth"] -= 1
 
@@ -319,3 +342,4 @@ COMPILED_VARIANTS = {
 
 #: per kernel launch options: no multiply-add fusion where the reference rounds each product
 _OPTIONS = {"encode": {"enable_fp_fusion": False}, "decode": {"enable_fp_fusion": False}}
+_NO_OPTIONS: dict = {}

@@ -288,6 +288,31 @@ def test_launches_suite_counts_the_gpu_path(tmp_path):
     assert all(0 < r["min"] <= r["median"] and r["min_frozen"] > 0 for r in steps.values())
 
 
+def test_dispatch_suite_times_tritons_launch_path(tmp_path):
+    # in a process without the interpreter (the kernels compile for a simulated sm_90 device): the
+    # three arms' host steps, division's Triton launches per step, and per tensor both ways
+    from hf_division.bench.suites import dispatch
+    from hf_division.kernels import triton_codec
+
+    if not triton_codec.available() or torch.cuda.is_available():
+        pytest.skip("needs Triton and no CUDA device (on a GPU the cuda suite times the real launches)")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        with pytest.raises(SystemExit, match="without TRITON_INTERPRET"):
+            dispatch.main(["--layers", "1"])
+    out = tmp_path / "d.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "hf_division.bench", "dispatch", "--shape", "tiny", "--layers", "1",
+                           "--rounds", "2", "--host-tokens", "256", "--out", str(out)], env=env, capture_output=True,
+                          text=True, timeout=CHILD_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    res = json.loads(out.read_text())
+    steps, tensor = res["steps"], res["tensor"]
+    assert all(0 < steps[arm]["min"] <= steps[arm]["median"] for arm in ("none", "division", "division-triton"))
+    assert steps["division"]["triton_launches"] == steps["division-triton"]["triton_launches"] > 0
+    assert {way: t["launches"] for way, t in tensor.items()} == {"division": 5, "division-triton": 5}
+    assert "saved a launch" in done.stdout
+
+
 def test_suites_run_their_children_through_an_existing_module(monkeypatch, tmp_path):
     # long-context and memory --rss rerun themselves in a fresh interpreter: the module they name
     # must run the suite (it once named a package without a __main__, and long-context failed)

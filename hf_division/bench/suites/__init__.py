@@ -25,6 +25,7 @@ SUITES = {
     "long-context": ".long_context",
     "cuda": ".cuda",
     "launches": ".launches",
+    "dispatch": ".dispatch",
     "architectures": ".architectures",
     "budget": ".budget",
     "attention-backward": ".attention_backward",

@@ -71,7 +71,7 @@ def host_steps(shape: str, layers: int | None, size: tuple[int, int], rounds: in
     (batch, tokens; 1 x 32: CPU kernels that cost about what launching a GPU's does); arms
     interleaved, ``rounds`` steps each, then as many after ``gc.freeze()``. Per arm: ``launches``
     per step (to check against :func:`count`'s of the shape itself), ``forward_objects``
-    (:func:`forward_objects`), and :func:`_interleaved`'s figures, those after the freeze suffixed
+    (:func:`forward_objects`), and :func:`interleaved`'s figures, those after the freeze suffixed
     ``_frozen``."""
     models = {arm: cuda_suite.build(shape, "cpu", layers=layers, **HOST_WIDTH).train() for arm in ("none", "division")}
     apply_division(models["division"], DivisionConfig(min_numel=HOST_MIN_NUMEL))
@@ -86,17 +86,18 @@ def host_steps(shape: str, layers: int | None, size: tuple[int, int], rounds: in
             for arm, model in models.items():
                 out[arm]["forward_objects"] = forward_objects(model, batch, autocast)
             for frozen in (False, True):
-                timed = _interleaved(models, batch, autocast, rounds, frozen)
+                timed = interleaved(models, batch, autocast, rounds, frozen)
                 for arm, r in timed.items():
                     out[arm].update({f"{k}_frozen" if frozen else k: v for k, v in r.items()})
     return out
 
 
-def _interleaved(models: dict, batch: dict, autocast, rounds: int, frozen: bool) -> dict:
+def interleaved(models: dict, batch: dict, autocast, rounds: int, frozen: bool, switched: dict | None = None) -> dict:
     """:func:`host_steps`' timing: ``rounds`` steps per arm, interleaved; per arm the min and
     median milliseconds and the garbage collector's collections and milliseconds per step, by
     generation. ``frozen``: after ``gc.freeze()`` (undone after), the objects made so far left
-    out of every collection (docs/GUIDE.md, "On a GPU")."""
+    out of every collection (docs/GUIDE.md, "On a GPU"). ``switched``: an arm's switches
+    (:func:`~hf_division.kernels.configured`) during its steps (arms may share a model)."""
     times = {arm: [] for arm in models}
     collections = {arm: {} for arm in models}
     current, started = [None], [0.0]
@@ -115,9 +116,10 @@ def _interleaved(models: dict, batch: dict, autocast, rounds: int, frozen: bool)
         for r in range(rounds):
             for arm in (list(models) if r % 2 == 0 else list(models)[::-1]):
                 current[0] = arm
-                t0 = time.perf_counter()
-                train_step(models[arm], batch, autocast)
-                times[arm].append(1e3 * (time.perf_counter() - t0))
+                with configured(**(switched or {}).get(arm, {})):
+                    t0 = time.perf_counter()
+                    train_step(models[arm], batch, autocast)
+                    times[arm].append(1e3 * (time.perf_counter() - t0))
                 current[0] = None
     finally:
         gc.callbacks.remove(watch)

@@ -1,0 +1,122 @@
+"""The host's time per training step and per launch with Triton's launch path included, on a CPU
+machine (docs/DESIGN.md, "On a GPU": host time).
+
+python -m hf_division.bench dispatch [--shape smollm2] [--layers N] [--size 1x32] [--autocast bf16]
+    [--rounds 30] [--host-tokens 8192] [--out dispatch.json]
+
+Run it without ``TRITON_INTERPRET``: the kernels compile for a simulated sm_90 device and each launch
+goes through Triton's launch path, ``CompiledKernel.run`` included, to a stand-in of the driver's call
+that runs nothing (:mod:`hf_division.analysis.simulated_cuda`). The ``launches`` suite's host times
+leave that path out (its kernels are counted, not launched).
+
+The shape's depth and layers at the ``launches`` suite's narrow width
+(:data:`~hf_division.bench.suites.launches.HOST_WIDTH`, its ``min_numel``), one training step per
+round, arms interleaved: ``none``; ``division``, its kernels launched again through
+:mod:`hf_division.kernels.launcher`; ``division-triton``, every launch through Triton's dispatch
+(the ``triton_launch`` switch off). Also the host's microseconds to compress and rebuild one bf16
+tensor of ``--host-tokens`` x the shape's hidden size, both ways, and per launch.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from hf_division.analysis.launches import gpu_path
+from hf_division.analysis.simulated_cuda import dispatch_us, simulated_cuda
+from hf_division.api import apply_division
+from hf_division.bench.suites import cuda as cuda_suite
+from hf_division.bench.suites.common import suite_parser
+from hf_division.bench.suites.launches import HOST_MIN_NUMEL, HOST_WIDTH, interleaved
+from hf_division.bench.textdata import random_tokens
+from hf_division.compress.pipeline import compress, decompress
+from hf_division.config import DivisionConfig
+from hf_division.kernels import configured, triton_codec
+
+#: the arms' ``triton_launch`` switch
+WAYS = {"division": dict(triton_launch=True), "division-triton": dict(triton_launch=False)}
+
+
+def per_tensor(hidden: int, tokens: int, rounds: int) -> dict:
+    """Per way: host microseconds to compress and rebuild one bf16 ``(tokens, hidden)`` tensor with the
+    defaults (median over blocks), its launches, and microseconds per launch."""
+    x = torch.randn(1, tokens, hidden).bfloat16()
+    kw = dict(bits=4, block_size=16, group_size=256, outlier_ratio=16.0, generator=torch.Generator().manual_seed(0))
+    out = {}
+    with gpu_path(), simulated_cuda(keep=False) as launched:
+        p = compress(x, **kw)
+        decompress(p)
+        n0 = launched.n
+        compress(x, **kw)
+        decompress(p)
+        launches = launched.n - n0
+        for way in list(WAYS) * 2:  # interleaved, each twice: the second kept
+            with configured(**WAYS[way]):
+                us = dispatch_us(lambda: (compress(x, **kw), decompress(p)), rounds)
+            out[way] = {"us": us, "launches": launches, "us_per_launch_all": us / launches}
+    return out
+
+
+def steps(shape: str, layers: int | None, size: tuple[int, int], rounds: int, autocast) -> dict:
+    """Per arm (the module doc's), :func:`~hf_division.bench.suites.launches.interleaved`'s figures."""
+    none = cuda_suite.build(shape, "cpu", layers=layers, **HOST_WIDTH).train()
+    div = cuda_suite.build(shape, "cpu", layers=layers, **HOST_WIDTH).train()
+    apply_division(div, DivisionConfig(min_numel=HOST_MIN_NUMEL))
+    models = {"none": none, "division": div, "division-triton": div}
+    batch = random_tokens(HOST_WIDTH["vocab_size"], *size, seed=0)
+    batch["labels"] = batch["input_ids"]
+    with gpu_path(), simulated_cuda(keep=False) as launched:
+        warm = interleaved(models, batch, autocast, 2, False, WAYS)  # compiles (or loads) the kernels
+        n0 = launched.n
+        timed = interleaved(models, batch, autocast, rounds, False, WAYS)
+        per_step = (launched.n - n0) / (2 * rounds)  # Triton launches a division step
+    out = {arm: {k: v for k, v in r.items() if k != "gc"} for arm, r in timed.items()}
+    for arm in WAYS:
+        out[arm]["triton_launches"] = per_step
+    out["warm_ms"] = {arm: r["median"] for arm, r in warm.items()}
+    return out
+
+
+def report(res: dict, size: tuple[int, int], rounds: int) -> str:
+    s = res["steps"]
+    base = s["none"]["median"]
+    lines = [f"host per step at hidden {HOST_WIDTH['hidden_size']}, {size[0]}x{size[1]} tokens, Triton's launch path "
+             f"simulated ({rounds} steps each, median):"]
+    for arm in ("none", *WAYS):
+        lines.append(f"  {arm:16s} {s[arm]['median']:7.1f} ms ({s[arm]['median'] / base:.2f}x none; min {s[arm]['min']:.1f})")
+    lines.append(f"  division's Triton launches a step: {s['division']['triton_launches']:.0f}")
+    t = res["tensor"]
+    lines.append(f"host per saved {res['tensor_shape']} bf16 tensor, compress + rebuild ({t['division']['launches']} launches): "
+                 + ", ".join(f"{way} {t[way]['us']:.0f} us" for way in WAYS)
+                 + f"; {(t['division-triton']['us'] - t['division']['us']) / t['division']['launches']:.1f} us saved a launch")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = suite_parser("dispatch", __doc__)
+    ap.add_argument("--shape", default="smollm2", choices=list(cuda_suite.SHAPES))
+    ap.add_argument("--layers", type=int, help="override the shape's depth")
+    ap.add_argument("--size", type=cuda_suite.parse_size, default=(1, 32))
+    ap.add_argument("--autocast", default="bf16", choices=["none", "bf16"])
+    ap.add_argument("--rounds", type=int, default=30, help="timed steps per arm")
+    ap.add_argument("--host-tokens", type=int, default=8192)
+    ap.add_argument("--out")
+    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    if not triton_codec.available():
+        raise SystemExit("hf-division dispatch suite: needs Triton (pip install triton)")
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("hf-division dispatch suite: run it on a machine without CUDA and without TRITON_INTERPRET "
+                         "(the kernels compile for a simulated device; on a GPU, the cuda suite times the real thing)")
+    amp = torch.bfloat16 if args.autocast == "bf16" else None
+    hidden = cuda_suite.SHAPES[args.shape]["hidden_size"]
+    res = {"argv": argv, "shape": args.shape, "layers": args.layers, "size": args.size,
+           "tensor_shape": f"{args.host_tokens}x{hidden}",
+           "tensor": per_tensor(hidden, args.host_tokens, 1000),
+           "steps": steps(args.shape, args.layers, args.size, args.rounds, amp)}
+    print(report(res, args.size, args.rounds), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    return res

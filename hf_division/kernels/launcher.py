@@ -1,0 +1,127 @@
+"""A compiled Triton kernel launched again without Triton's per-call dispatch (the ``triton_launch``
+switch; docs/DESIGN.md, "On a GPU": host time).
+
+Why: ``kernel[grid](*args)`` binds the arguments, specializes each one, builds a cache key and
+looks the compiled kernel up on every call. That took about 10 us of host time a launch on the
+development machine's CPU (``python -m hf_division.bench dispatch``), for kernels that run a few
+microseconds on a GPU, and division launches three to five of them per saved tensor.
+
+Here the first call with a given key goes through Triton (which compiles or finds the kernel and
+launches it) and keeps the compiled kernel that Triton returns. Later calls with that key launch it
+through ``CompiledKernel[grid]``, the call Triton's own dispatch ends in. The key determines Triton's
+specialization: each tensor's dtype and 16-byte alignment, each scalar's type and value, the
+constexprs and options by name and value, the device. ``tests/kernels/test_launcher.py`` checks,
+through a simulated CUDA driver, that both ways hand the launcher the same kernel and arguments.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+#: entries per kernel before its keys are dropped (scalars are keyed by value: a run whose
+#: sequence lengths vary adds keys; each new key costs one dispatch through Triton)
+MAX_KEYS = 4096
+
+
+class _Kernel:
+    """One jit function's launches: which arguments are pointers, and the compiled kernels by key."""
+
+    __slots__ = ("fn", "names", "layouts", "compiled")
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.names = tuple(fn.arg_names)
+        self.layouts = {}  # number of positional arguments -> (pointers' getter, scalars' getter)
+        self.compiled = {}
+
+    def layout(self, n: int):
+        """Getters of the pointer and of the scalar arguments among the first ``n`` (pointers:
+        the parameters named ``*_ptr``, as every kernel of :mod:`.triton_kernels` names them)."""
+        got = self.layouts.get(n)
+        if got is None:
+            ptrs = [i for i, name in enumerate(self.names[:n]) if name.endswith("_ptr")]
+            rest = [i for i in range(n) if i not in ptrs]
+            got = self.layouts[n] = (_getter(ptrs), _getter(rest))
+        return got
+
+
+def _getter(idx: list):
+    """``args -> tuple(args[i] for i in idx)`` at C speed."""
+    if not idx:
+        return lambda args: ()
+    get = operator.itemgetter(*idx)
+    return get if len(idx) > 1 else (lambda args: (get(args),))
+
+
+_kernels: dict = {}  # id(jit function) -> _Kernel (the kernels live as long as their module)
+_triton: list = []  # Triton's runtime knobs and driver, imported at the first launch
+
+
+def key(fn, args: tuple, meta: dict, options: dict):
+    """``(the kernel's launches, what determines Triton's specialization of fn for this call, the
+    device aside)``; the second None where a pointer argument is not a tensor."""
+    k = _kernels.get(id(fn))
+    if k is None:
+        k = _kernels[id(fn)] = _Kernel(fn)
+    ptrs, scalars = k.layout(len(args))
+    s = scalars(args)
+    try:
+        p = tuple([(t.dtype, t.data_ptr() & 15 == 0) for t in ptrs(args)])
+    except AttributeError:  # a pointer argument that is not a tensor: never kept
+        return k, None
+    return k, (p, s, tuple(map(type, s)), tuple(meta.items()), tuple(options.items()))
+
+
+def launch(fn, grid: tuple, args: tuple, meta: dict, options: dict) -> None:
+    """``fn[grid](*args, **meta, **options)`` on the current CUDA device and stream, through the
+    compiled kernel kept for this key after its first launch."""
+    if not _triton:
+        from triton import knobs
+        from triton.runtime.driver import driver
+
+        _triton.extend((knobs.runtime, driver))
+    runtime, driver = _triton
+    k, spec = key(fn, args, meta, options)
+    if spec is None:
+        fn[grid](*args, **meta, **options)
+        return
+    active = driver.active
+    device = active.get_current_device()
+    full = (device, spec)
+    entry = k.compiled.get(full)
+    if entry is None:
+        keep_first(k, full, grid, args, meta, options)
+        return
+    kernel, tail = entry
+    stream = active.get_current_stream(device)
+    values = args + tail
+    enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+    if getattr(enter, "calls", True) or getattr(exit_, "calls", True):  # hooks to call: their metadata
+        metadata = kernel.launch_metadata(grid, stream, *values)
+    else:  # chains with no hook in them (Triton's default): no metadata built, no chain called
+        metadata = enter = exit_ = None
+    # the end of Triton's JITFunction.run (3.6 to 3.9)
+    n = len(grid)
+    kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, kernel.function,
+               kernel.packed_metadata, metadata, enter, exit_, *values)
+
+
+def keep_first(k: _Kernel, full: tuple, grid: tuple, args: tuple, meta: dict, options: dict) -> None:
+    """Launch through Triton and keep what it returns, where every pointer argument is a tensor
+    and every tensor a pointer argument (else nothing is kept: each call takes Triton's way)."""
+    kernel = k.fn[grid](*args, **meta, **options)
+    ptrs, scalars = k.layout(len(args))
+    if (kernel is None or not all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata"))
+            or not all(isinstance(t, torch.Tensor) for t in ptrs(args))
+            or any(isinstance(v, torch.Tensor) for v in scalars(args))
+            or set(k.names[len(args):]) != set(meta)):
+        return
+    if len(k.compiled) >= MAX_KEYS:
+        k.compiled.clear()
+    k.compiled[full] = (kernel, tuple(meta[name] for name in k.names[len(args):]))
+
+
+def forget() -> None:
+    """Drop every kept kernel (the next launch of each goes through Triton again)."""
+    _kernels.clear()
