@@ -16,8 +16,11 @@ through a simulated CUDA driver, that both ways hand the launcher the same kerne
 from __future__ import annotations
 
 import operator
+import warnings
 
 import torch
+
+from hf_division.kernels.switches import configure
 
 #: entries per kernel before its keys are dropped (scalars are keyed by value: a run whose
 #: sequence lengths vary adds keys; each new key costs one dispatch through Triton)
@@ -103,8 +106,20 @@ def launch(fn, grid: tuple, args: tuple, meta: dict, options: dict) -> None:
         metadata = enter = exit_ = None
     # the end of Triton's JITFunction.run (3.6 to 3.9)
     n = len(grid)
-    kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, kernel.function,
-               kernel.packed_metadata, metadata, enter, exit_, *values)
+    try:
+        kernel.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, kernel.function,
+                   kernel.packed_metadata, metadata, enter, exit_, *values)
+    except (TypeError, AttributeError) as err:  # a Triton whose launcher takes other arguments: raised before launching
+        _give_up(err)
+        fn[grid](*args, **meta, **options)
+
+
+def _give_up(err: Exception) -> None:
+    """Turn the ``triton_launch`` switch off for the process, saying why (Triton's dispatch then
+    launches every kernel, as with the switch off)."""
+    warnings.warn(f"hf-division: launching kept Triton kernels failed ({type(err).__name__}: {err}); every launch goes "
+                  "through Triton's dispatch from now on (the triton_launch switch is off)", RuntimeWarning, stacklevel=3)
+    configure(triton_launch=False)
 
 
 def keep_first(k: _Kernel, full: tuple, grid: tuple, args: tuple, meta: dict, options: dict) -> None:

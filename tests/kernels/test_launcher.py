@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from hf_division.kernels import launcher, triton_codec
+from hf_division.kernels import configured, launcher, switches, triton_codec
 
 from conftest import CHILD_TIMEOUT_S
 
@@ -71,6 +71,49 @@ def test_keys_are_kept_per_kernel_and_bounded(monkeypatch):
     launcher.keep_first(k, (0, 2), (1,), (torch.zeros(4), 3, 0.5, torch.zeros(4)), {}, {})
     assert k.compiled == {}
     launcher.forget()
+
+
+@pytest.mark.skipif(not triton_codec.available(), reason="Triton is not installed (pip install hf-division[test])")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a stand-in driver here; tests/test_cuda.py has the real one")
+def test_a_launcher_that_refuses_its_arguments_turns_the_switch_off():
+    """A Triton whose ``CompiledKernel.run`` takes other arguments: that launch and every later one
+    go through Triton's dispatch, with a warning saying so."""
+    from triton.runtime.driver import driver
+
+    dispatched = []
+
+    class Kernel:
+        function = packed_metadata = None
+
+        def run(self, *args):
+            raise TypeError("function takes exactly 12 arguments")
+
+        def launch_metadata(self, *args):
+            return None
+
+    class Jit(_Fn):
+        def __getitem__(self, grid):
+            return lambda *args, **kw: dispatched.append(args) or Kernel()
+
+    class Driver:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device):
+            return 0
+
+    args, jit = (torch.zeros(4), 3, 0.5, torch.zeros(4)), Jit()
+    driver.set_active(Driver())
+    try:
+        with configured(triton_launch=True):
+            launcher.launch(jit, (1,), args, {"BLOCK": 64}, {})  # through Triton's dispatch: kept
+            assert len(dispatched) == 1
+            with pytest.warns(RuntimeWarning, match="the triton_launch switch is off"):
+                launcher.launch(jit, (1,), args, {"BLOCK": 64}, {})
+            assert len(dispatched) == 2 and not switches().triton_launch
+    finally:
+        driver.set_active(None)  # the default driver again, made when next asked for
+        launcher.forget()
 
 
 @pytest.mark.skipif(not triton_codec.available(), reason="Triton is not installed (pip install hf-division[test])")
