@@ -101,14 +101,26 @@ _KERNELS = None
 
 @contextlib.contextmanager
 def kernels_from(module):
-    """Inside, launches go to ``module``'s jit functions (a copy of :mod:`.triton_kernels` compiled for a
-    simulated device: :mod:`hf_division.analysis.simulated_cuda`)."""
+    """Inside, launches go to ``module``'s jit functions (:mod:`.triton_kernels` imported without the
+    interpreter, compiled for a simulated device: :mod:`hf_division.analysis.simulated_cuda`)."""
     global _KERNELS
     before, _KERNELS = _KERNELS, module
+    _resolved.clear()
     try:
         yield
     finally:
         _KERNELS = before
+        _resolved.clear()
+
+
+#: kernel name -> (its jit function, its launch options, whether compiled: not interpreted), per launch
+_resolved: dict = {}
+
+
+def _resolve(name: str) -> tuple:
+    fn = getattr(_kernels(), name + "_kernel")
+    got = _resolved[name] = (fn, _OPTIONS.get(name, _NO_OPTIONS), isinstance(fn, triton.runtime.jit.JITFunction))
+    return got
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -135,8 +147,7 @@ def not_run():
 
 def _launch(name: str, grid: tuple, *args, **meta) -> None:
     _counts["launches"] += 1
-    fn = getattr(_kernels(), name + "_kernel")
-    options = _OPTIONS.get(name, _NO_OPTIONS)
+    fn, options, compiled = _resolved.get(name) or _resolve(name)
     direct = switches().triton_launch
     if _launching["skip"]:
         if direct:  # the host's share of a kept kernel's launch: its key (the driver's call aside)
@@ -144,7 +155,7 @@ def _launch(name: str, grid: tuple, *args, **meta) -> None:
         return
     _launching["depth"] += 1
     try:
-        if direct and isinstance(fn, triton.runtime.jit.JITFunction):
+        if direct and compiled:
             launcher.launch(fn, grid, args, meta, options)
         else:  # Triton's dispatch (and the interpreter's)
             fn[grid](*args, **meta, **options)
