@@ -57,6 +57,7 @@ def _getter(idx: list):
     return get if len(idx) > 1 else (lambda args: (get(args),))
 
 
+_DTYPE = operator.attrgetter("dtype")
 _kernels: dict = {}  # id(jit function) -> _Kernel (the kernels live as long as their module)
 _triton: list = []  # Triton's runtime knobs and driver, imported at the first launch
 
@@ -67,13 +68,16 @@ def key(fn, args: tuple, meta: dict, options: dict):
     k = _kernels.get(id(fn))
     if k is None:
         k = _kernels[id(fn)] = _Kernel(fn)
-    ptrs, scalars = k.layout(len(args))
-    s = scalars(args)
+    n = len(args)
+    ptrs, scalars = k.layout(n)
+    s, p = scalars(args), ptrs(args)
     try:
-        p = tuple([(t.dtype, t.data_ptr() & 15 == 0) for t in ptrs(args)])
+        # one flat tuple (hashed faster than nested ones): for one kernel and n, the number of pointers
+        # and scalars is fixed, and so is the number of constexprs (keep_first keeps no other)
+        return k, (n, *map(_DTYPE, p), *[t.data_ptr() & 15 for t in p], *s, *map(type, s), *meta.items(),
+                   *options.items())
     except AttributeError:  # a pointer argument that is not a tensor: never kept
         return k, None
-    return k, (p, s, tuple(map(type, s)), tuple(meta.items()), tuple(options.items()))
 
 
 def launch(fn, grid: tuple, args: tuple, meta: dict, options: dict) -> None:
