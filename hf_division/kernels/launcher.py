@@ -2,16 +2,18 @@
 switch; docs/DESIGN.md, "On a GPU": host time).
 
 Why: ``kernel[grid](*args)`` binds the arguments, specializes each one, builds a cache key and
-looks the compiled kernel up on every call. That took about 10 us of host time a launch on the
-development machine's CPU (``python -m hf_division.bench dispatch``), for kernels that run a few
-microseconds on a GPU, and division launches three to five of them per saved tensor.
+looks the compiled kernel up on every call, then builds launch metadata for the launch hooks.
+Division launches three to five kernels per saved tensor, each running a few microseconds on a
+GPU; on the development machine's CPU that dispatch cost 7 us a launch more than launching the
+kept kernel (``python -m hf_division.bench dispatch``).
 
 Here the first call with a given key goes through Triton (which compiles or finds the kernel and
 launches it) and keeps the compiled kernel that Triton returns. Later calls with that key launch it
-through ``CompiledKernel[grid]``, the call Triton's own dispatch ends in. The key determines Triton's
-specialization: each tensor's dtype and 16-byte alignment, each scalar's type and value, the
-constexprs and options by name and value, the device. ``tests/kernels/test_launcher.py`` checks,
-through a simulated CUDA driver, that both ways hand the launcher the same kernel and arguments.
+as Triton's dispatch ends, through ``CompiledKernel.run``, with no metadata built while no launch
+hook is installed. The key determines Triton's specialization, or is finer: each tensor's dtype and
+address modulo 16 (Triton: whether 16 divides it), each scalar's type and value, the constexprs and
+options by name and value, the device. ``tests/kernels/test_launcher.py`` checks, through a
+simulated CUDA driver, that both ways hand the launcher the same kernels and arguments.
 """
 from __future__ import annotations
 
