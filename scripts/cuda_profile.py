@@ -2,6 +2,8 @@
 
 OUT=dir python scripts/cuda_profile.py                 (PROBE_DEV=cpu: a tiny model on the CPU, to check the script)
 OUT=dir ARMS="none division" SHAPE=llama-1b SIZE=4x2048 python scripts/cuda_profile.py
+    (arms: none, division, division-triton: division with every Triton launch through Triton's dispatch,
+    the triton_launch switch off; checkpointing, division+checkpointing)
 
 A random-init model of ``SHAPE``'s shape (``hf_division.bench.suites.cuda.build``; default SmolLM2-135M's,
 8 x 1024 random tokens), bf16 autocast, the compressor's default kernels (Triton's on a GPU). For each arm:
@@ -21,12 +23,13 @@ from torch.autograd import DeviceType
 from hf_division.analysis.timing import timed
 from hf_division.bench.suites.cuda import build, parse_size, set_arm, step_fn
 from hf_division.bench.textdata import random_tokens
+from hf_division.kernels import configured
 
 OUT = os.environ["OUT"]
 DEV = os.environ.get("PROBE_DEV", "cuda")
 SHAPE = os.environ.get("SHAPE", "smollm2" if DEV == "cuda" else "tiny")
 B, T = parse_size(os.environ.get("SIZE", "8x1024" if DEV == "cuda" else "2x64"))
-ARMS = os.environ.get("ARMS", "none division division+checkpointing").split()
+ARMS = os.environ.get("ARMS", "none division division-triton division+checkpointing").split()
 
 
 def profiled(step) -> dict:
@@ -58,10 +61,12 @@ def main() -> dict:
     res = {"shape": SHAPE, "size": [B, T], "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
            "torch": torch.__version__, "arms": {}}
     for arm in ARMS:
-        set_arm(model, arm)
-        step(), step()
-        step_s = statistics.median(timed(step, DEV) for _ in range(5))
-        prof = profiled(step)
+        # division-triton: division with every Triton launch through Triton's dispatch (hf_division/kernels/launcher.py off)
+        set_arm(model, arm.replace("-triton", ""))
+        with configured(triton_launch=not arm.endswith("-triton")):
+            step(), step()
+            step_s = statistics.median(timed(step, DEV) for _ in range(5))
+            prof = profiled(step)
         with open(os.path.join(OUT, f"profile_{arm.replace('+', '_')}.txt"), "w") as f:
             f.write(prof.pop("table"))
         prof["step_ms"] = step_s * 1e3
