@@ -48,12 +48,12 @@ def per_tensor(hidden: int, tokens: int, rounds: int) -> dict:
     with gpu_path(), simulated_cuda(keep=False) as launched:
         p = compress(x, **kw)
         decompress(p)
-        n0 = launched.n
-        compress(x, **kw)
-        decompress(p)
-        launches = launched.n - n0
         for way in list(WAYS) * 2:  # interleaved, each twice: the second kept
             with configured(**WAYS[way]):
+                n0 = launched.n
+                compress(x, **kw)
+                decompress(p)
+                launches = launched.n - n0
                 us = dispatch_us(lambda: (compress(x, **kw), decompress(p)), rounds)
             out[way] = {"us": us, "launches": launches, "us_per_launch_all": us / launches}
     return out
@@ -69,12 +69,15 @@ def steps(shape: str, layers: int | None, size: tuple[int, int], rounds: int, au
     batch["labels"] = batch["input_ids"]
     with gpu_path(), simulated_cuda(keep=False) as launched:
         warm = interleaved(models, batch, autocast, 2, False, WAYS)  # compiles (or loads) the kernels
-        n0 = launched.n
         timed = interleaved(models, batch, autocast, rounds, False, WAYS)
-        per_step = (launched.n - n0) / (2 * rounds)  # Triton launches a division step
+        per_step = {}
+        for arm in WAYS:  # the Triton kernels one step of each way reaches the driver with
+            n0 = launched.n
+            interleaved({arm: models[arm]}, batch, autocast, 1, False, WAYS)
+            per_step[arm] = launched.n - n0
     out = {arm: {k: v for k, v in r.items() if k != "gc"} for arm, r in timed.items()}
     for arm in WAYS:
-        out[arm]["triton_launches"] = per_step
+        out[arm]["triton_launches"] = per_step[arm]
     out["warm_ms"] = {arm: r["median"] for arm, r in warm.items()}
     return out
 
@@ -86,7 +89,7 @@ def report(res: dict, size: tuple[int, int], rounds: int) -> str:
              f"simulated ({rounds} steps each, median):"]
     for arm in ("none", *WAYS):
         lines.append(f"  {arm:16s} {s[arm]['median']:7.1f} ms ({s[arm]['median'] / base:.2f}x none; min {s[arm]['min']:.1f})")
-    lines.append(f"  division's Triton launches a step: {s['division']['triton_launches']:.0f}")
+    lines.append("  Triton launches a step: " + ", ".join(f"{arm} {s[arm]['triton_launches']}" for arm in WAYS))
     t = res["tensor"]
     lines.append(f"host per saved {res['tensor_shape']} bf16 tensor, compress + rebuild ({t['division']['launches']} launches): "
                  + ", ".join(f"{way} {t[way]['us']:.0f} us" for way in WAYS)
