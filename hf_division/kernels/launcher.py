@@ -4,8 +4,8 @@ switch; docs/DESIGN.md, "On a GPU": host time).
 Why: ``kernel[grid](*args)`` binds the arguments, specializes each one, builds a cache key and
 looks the compiled kernel up on every call, then builds launch metadata for the launch hooks.
 Division launches three to five kernels per saved tensor, each running a few microseconds on a
-GPU; on the development machine's CPU that dispatch cost 7 us a launch more than launching the
-kept kernel (``python -m hf_division.bench dispatch``).
+GPU, so that dispatch is a share of the host's step that a GPU may wait for (docs/RESULTS.md,
+"Kernel launches": the ``dispatch`` suite times both ways).
 
 Here the first call with a given key goes through Triton (which compiles or finds the kernel and
 launches it) and keeps the compiled kernel that Triton returns. Later calls with that key launch it
