@@ -28,12 +28,15 @@ PY
 # 0. kept kernels launched by hf_division/kernels/launcher.py against Triton's dispatch, to the bit: where
 #    they differ (or the test cannot run), everything after runs with the launcher off, so the figures hold
 timeout 90 python -m pytest -q tests/test_cuda.py -k kept_kernels 2>&1 | tail -5 | tee "$OUT/test_launcher.txt"
-if [ "${PIPESTATUS[0]}" != 0 ]; then
+LAUNCHER_TEST=${PIPESTATUS[0]}
+CUDA_TESTS=(tests/test_cuda.py)
+if [ "$LAUNCHER_TEST" != 0 ]; then
   export HF_DIVISION_TRITON_LAUNCH=0
+  CUDA_TESTS+=(-k "not kept_kernels")  # already reported: -x would stop the rest at it
   echo "the launcher's test did not pass: HF_DIVISION_TRITON_LAUNCH=0 from here" | tee -a "$OUT/test_launcher.txt"
 fi
 # 1. correctness on the device: the kernels' codes, no host sync, a CUDA-graph step, and the suite's smoke
-timeout 120 python -m pytest -q -x tests/test_cuda.py 2>&1 | tail -25 | tee "$OUT/test_cuda.txt"
+timeout 120 python -m pytest -q -x "${CUDA_TESTS[@]}" 2>&1 | tail -25 | tee "$OUT/test_cuda.txt"
 # 2. the table: five arms at the SmolLM2 and Llama-1B shapes (--quick: SmolLM2 only)
 ARGS=(--out "$OUT/cuda.json" --budget-s 300)
 [ "${QUICK:-0}" = 1 ] && ARGS+=(--quick)
