@@ -13,9 +13,6 @@ without ``TRITON_INTERPRET=1``.
 from __future__ import annotations
 
 import contextlib
-import time
-
-import torch
 
 from hf_division.kernels import triton_codec
 
@@ -100,18 +97,3 @@ def simulated_cuda(keep: bool = True):
             yield record
     finally:
         driver.set_active(previous)
-
-
-def dispatch_us(fn, rounds: int = 2000) -> float:
-    """Median host microseconds of ``fn()`` (a few launches' host work) over ``rounds`` calls, in
-    blocks of 100 after 100 unmeasured."""
-    for _ in range(100):
-        fn()
-    blocks = []
-    for _ in range(max(1, rounds // 100)):
-        t = time.perf_counter()
-        for _ in range(100):
-            fn()
-        blocks.append((time.perf_counter() - t) * 1e4)
-    blocks.sort()
-    return blocks[len(blocks) // 2]

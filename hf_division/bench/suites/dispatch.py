@@ -25,11 +25,12 @@ import sys
 import torch
 
 from hf_division.analysis.launches import gpu_path
-from hf_division.analysis.simulated_cuda import dispatch_us, simulated_cuda
+from hf_division.analysis.simulated_cuda import simulated_cuda
+from hf_division.analysis.timing import median_time
 from hf_division.api import apply_division
 from hf_division.bench.suites import cuda as cuda_suite
 from hf_division.bench.suites.common import suite_parser
-from hf_division.bench.suites.launches import HOST_MIN_NUMEL, HOST_WIDTH, interleaved
+from hf_division.bench.suites.launches import HOST_MIN_NUMEL, HOST_WIDTH, interleaved, saved_tensor, stand_in_arguments
 from hf_division.bench.textdata import random_tokens
 from hf_division.compress.pipeline import compress, decompress
 from hf_division.config import DivisionConfig
@@ -42,8 +43,7 @@ WAYS = {"division": dict(triton_launch=True), "division-triton": dict(triton_lau
 def per_tensor(hidden: int, tokens: int, rounds: int) -> dict:
     """Per way: host microseconds to compress and rebuild one bf16 ``(tokens, hidden)`` tensor with the
     defaults (median over blocks), its launches, and microseconds per launch."""
-    x = torch.randn(1, tokens, hidden).bfloat16()
-    kw = dict(bits=4, block_size=16, group_size=256, outlier_ratio=16.0, generator=torch.Generator().manual_seed(0))
+    x, kw = saved_tensor(hidden, tokens)
     out = {}
     with gpu_path(), simulated_cuda(keep=False) as launched:
         p = compress(x, **kw)
@@ -54,7 +54,8 @@ def per_tensor(hidden: int, tokens: int, rounds: int) -> dict:
                 compress(x, **kw)
                 decompress(p)
                 launches = launched.n - n0
-                us = dispatch_us(lambda: (compress(x, **kw), decompress(p)), rounds)
+                # median over blocks of 100 calls, after one block unmeasured
+                us = 1e4 * median_time(lambda: [(compress(x, **kw), decompress(p)) for _ in range(100)], rounds // 100)
             out[way] = {"us": us, "launches": launches, "us_per_launch_all": us / launches}
     return out
 
@@ -99,12 +100,8 @@ def report(res: dict, size: tuple[int, int], rounds: int) -> str:
 
 def main(argv=None):
     ap = suite_parser("dispatch", __doc__)
-    ap.add_argument("--shape", default="smollm2", choices=list(cuda_suite.SHAPES))
-    ap.add_argument("--layers", type=int, help="override the shape's depth")
-    ap.add_argument("--size", type=cuda_suite.parse_size, default=(1, 32))
-    ap.add_argument("--autocast", default="bf16", choices=["none", "bf16"])
+    stand_in_arguments(ap)
     ap.add_argument("--rounds", type=int, default=30, help="timed steps per arm")
-    ap.add_argument("--host-tokens", type=int, default=8192)
     ap.add_argument("--out")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     if not triton_codec.available():

@@ -152,11 +152,27 @@ def forward_objects(model, batch: dict, autocast) -> int:
     return held
 
 
+def saved_tensor(hidden: int, tokens: int) -> tuple[torch.Tensor, dict]:
+    """One bf16 ``(1, tokens, hidden)`` tensor and the arguments that compress it as the defaults do
+    (a seeded generator): what the suites' host time per saved tensor is measured on."""
+    kw = dict(bits=4, block_size=16, group_size=256, outlier_ratio=16.0, generator=torch.Generator().manual_seed(0))
+    return torch.randn(1, tokens, hidden).bfloat16(), kw
+
+
+def stand_in_arguments(ap) -> None:
+    """The command-line options of the model a suite's step stands for: ``--shape``, ``--layers``,
+    ``--size``, ``--autocast`` and ``--host-tokens`` (of the saved tensor timed alone)."""
+    ap.add_argument("--shape", default="smollm2", choices=list(cuda_suite.SHAPES))
+    ap.add_argument("--layers", type=int, help="override the shape's depth")
+    ap.add_argument("--size", type=cuda_suite.parse_size, default=(1, 32))
+    ap.add_argument("--autocast", default="bf16", choices=["none", "bf16"])
+    ap.add_argument("--host-tokens", type=int, default=8192)
+
+
 def host_us(hidden: int, tokens: int, rounds: int = 200) -> tuple[float, float]:
     """Microseconds of host time to compress and to rebuild one bf16 ``(tokens, hidden)`` tensor with
     the defaults, the kernels counted but not run (median of ``rounds``)."""
-    x = torch.randn(1, tokens, hidden).bfloat16()
-    kw = dict(bits=4, block_size=16, group_size=256, outlier_ratio=16.0, generator=torch.Generator().manual_seed(0))
+    x, kw = saved_tensor(hidden, tokens)
     with gpu_path():
         p = compress(x, **kw)
         times = {"compress": [], "rebuild": []}
@@ -199,11 +215,7 @@ def host_report(steps: dict, size: tuple[int, int], rounds: int) -> str:
 
 def main(argv=None):
     ap = suite_parser("launches", __doc__)
-    ap.add_argument("--shape", default="smollm2", choices=list(cuda_suite.SHAPES))
-    ap.add_argument("--layers", type=int, help="override the shape's depth")
-    ap.add_argument("--size", type=cuda_suite.parse_size, default=(1, 32))
-    ap.add_argument("--autocast", default="bf16", choices=["none", "bf16"])
-    ap.add_argument("--host-tokens", type=int, default=8192)
+    stand_in_arguments(ap)
     ap.add_argument("--host-rounds", type=int, default=20, help="timed steps per arm of the host time per step")
     ap.add_argument("--out")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
