@@ -29,7 +29,7 @@ from hf_division.analysis.simulated_cuda import simulated_cuda
 from hf_division.analysis.timing import median_time
 from hf_division.api import apply_division
 from hf_division.bench.suites import cuda as cuda_suite
-from hf_division.bench.suites.common import suite_parser
+from hf_division.bench.suites.common import set_threads, suite_parser
 from hf_division.bench.suites.launches import HOST_MIN_NUMEL, HOST_WIDTH, interleaved, saved_tensor, stand_in_arguments
 from hf_division.bench.textdata import random_tokens
 from hf_division.compress.pipeline import compress, decompress
@@ -104,6 +104,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=30, help="timed steps per arm")
     ap.add_argument("--out")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    set_threads()  # HF_DIVISION_THREADS, else 2: the recorded runs' (docs/RESULTS.md, "Kernel launches")
     if not triton_codec.available():
         raise SystemExit("hf-division dispatch suite: needs Triton (pip install triton)")
     if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":

@@ -32,7 +32,7 @@ from hf_division.analysis.launches import gpu_path, step_counts, train_step
 from hf_division.api import apply_division
 from hf_division.config import DivisionConfig
 from hf_division.bench.suites import cuda as cuda_suite
-from hf_division.bench.suites.common import suite_parser
+from hf_division.bench.suites.common import set_threads, suite_parser
 from hf_division.bench.textdata import random_tokens
 from hf_division.compress.pipeline import compress, decompress
 from hf_division.kernels import configured, triton_codec
@@ -219,6 +219,7 @@ def main(argv=None):
     ap.add_argument("--host-rounds", type=int, default=20, help="timed steps per arm of the host time per step")
     ap.add_argument("--out")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    set_threads()  # HF_DIVISION_THREADS, else 2: the recorded runs' (docs/RESULTS.md, "Kernel launches")
     if not triton_codec.available():
         raise SystemExit("hf-division launches suite: needs Triton (pip install triton)")
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
