@@ -22,7 +22,7 @@ NO_KERNEL = frozenset({
     "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "view", "_unsafe_view", "as_strided",
     "alias", "detach", "permute", "t", "transpose", "expand", "slice", "select", "unsqueeze", "squeeze", "reshape",
     "_reshape_alias", "view_as", "lift_fresh", "resolve_conj", "resolve_neg", "unbind", "split", "chunk",
-    "split_with_sizes", "is_same_size", "_has_compatible_shallow_copy_type", "set_"})
+    "split_with_sizes", "is_same_size", "_has_compatible_shallow_copy_type", "set_", "promote_types"})
 #: ops that read a device value back on the host, or size their output by one
 READBACKS = frozenset({"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique2", "equal",
                        "is_nonzero", "repeat_interleave", "masked_scatter", "bincount", "tolist"})

@@ -23,6 +23,7 @@ from torch import nn
 from hf_division.config import DivisionConfig
 from hf_division.autograd.first_order import first_order
 from hf_division.autograd.forward_mode import outside
+from hf_division.kernels import triton_norm
 from hf_division.kernels.switches import switches
 from hf_division.autograd.store import derive, keep
 
@@ -64,18 +65,27 @@ def takes(eps: float | None) -> bool:
 
 
 def normalize(x: torch.Tensor, weight: torch.Tensor, eps: float, stats: dict) -> torch.Tensor:
-    """The module's output for ``x``; ``x_n`` and ``1/rms`` (float32) left in ``stats`` for the backward."""
+    """The module's output for ``x``; what the backward needs (:func:`gradients`) left in ``stats``:
+    ``1/rms`` (float32) with ``x`` where the fused Triton kernels run (:mod:`hf_division.kernels.triton_norm`),
+    else with ``x_n`` (float32)."""
+    if triton_norm.applies(x, weight):
+        y, rstd = triton_norm.rebuild(x, weight, eps)
+        stats["rebuilt"] = (True, x, rstd)
+        return y
     x32 = x.float()
     rstd = torch.linalg.vector_norm(x32, dim=-1, keepdim=True).pow_(2).div_(x.shape[-1]).add_(eps).rsqrt_()
     xn = x32 * rstd
-    stats["xn_rstd"] = (xn, rstd)
+    stats["rebuilt"] = (False, xn, rstd)
     return weight * xn.to(x.dtype)  # the module's own dtype rule: the normalized input cast back, then scaled
 
 
-def gradients(grad: torch.Tensor, xn: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype,
-              need_x: bool, need_w: bool):
-    """``(dx in dtype, dweight)`` for the output's gradient ``grad``, from :func:`normalize`'s
-    ``x_n`` and ``1/rms`` (None where not needed)."""
+def gradients(grad: torch.Tensor, rebuilt: tuple, weight: torch.Tensor, dtype: torch.dtype, need_x: bool,
+              need_w: bool):
+    """``(dx in dtype, dweight)`` for the output's gradient ``grad``, from what :func:`normalize`
+    left (None where not needed)."""
+    fused, xn, rstd = rebuilt
+    if fused:
+        return triton_norm.gradients(grad, xn, rstd, weight, dtype, need_x, need_w)
     g = grad.float()
     gw = (g * xn).sum(tuple(range(g.dim() - 1))).to(weight.dtype) if need_w else None
     gx = None
@@ -109,10 +119,10 @@ class RMSNormFn(torch.autograd.Function):
     def backward(ctx, grad):
         (weight,) = ctx.saved_tensors
         x = ctx.entry.take()
-        if "xn_rstd" not in ctx.stats:  # no later layer rebuilt the output (e.g. its weight is frozen)
+        if "rebuilt" not in ctx.stats:  # no later layer rebuilt the output (e.g. its weight is frozen)
             normalize(x, weight, ctx.eps, ctx.stats)
-        xn, rstd = ctx.stats.pop("xn_rstd")
-        gx, gw = gradients(grad, xn, rstd, weight, ctx.dtype, ctx.needs_input_grad[3], ctx.needs_input_grad[4])
+        gx, gw = gradients(grad, ctx.stats.pop("rebuilt"), weight, ctx.dtype, ctx.needs_input_grad[3],
+                           ctx.needs_input_grad[4])
         return None, None, None, gx, gw
 
 

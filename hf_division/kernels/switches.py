@@ -43,6 +43,9 @@ class Switches:
     triton_launch: bool = _switch(
         "A Triton kernel launched again through the compiled kernel its first launch returned, kept under a key "
         "that determines Triton's specialization (kernels/launcher.py). Off: Triton's dispatch at every launch.")
+    triton_rms_norm: bool = _switch(
+        "Llama-form RMSNorm's rebuild and gradient in two fused Triton kernels where the compressor's Triton "
+        "kernels run (kernels/triton_norm.py). Off: the formula in torch ops, about twenty kernels per norm.")
     gated_from_codes: bool = _switch(
         "A SiLU-gated MLP's product and gradients computed natively from the compressed gate and up codes, "
         "neither rebuilt as a tensor (CPU, float32). Off: both rebuilt, then ATen's ops.")

@@ -145,7 +145,11 @@ def not_run():
         _launching["skip"] = before
 
 
-def _launch(name: str, grid: tuple, *args, **meta) -> None:
+def launch_kernel(name: str, grid: tuple, *args, **meta) -> None:
+    """``<name>_kernel[grid](*args, **meta)`` from the jit module (:mod:`.triton_kernels`), counted
+    (:func:`launches`), through :mod:`.launcher` where the ``triton_launch`` switch is on and the
+    kernel compiled; under :func:`not_run`, counted only. How every Triton kernel of the package is
+    launched (:mod:`.triton_norm`'s too)."""
     _counts["launches"] += 1
     fn, options, compiled = _resolved.get(name) or _resolve(name)
     direct = switches().triton_launch
@@ -199,7 +203,7 @@ def encode_tokens(x3: torch.Tensor, seed, bits: int, block: int, group: int, lfc
     out = TokenBuffers.empty(m, t, c, bits, block, group, lfc_dtype, SCALE_DTYPE, x3.device)
     r_last, split, grid, meta = _grid_and_meta(c, out.n_full, out.rest, group, bits, block)
     slot, rows = (out.lo, out.lo) if exact is None else (exact["slot"], exact["rows"])
-    _launch("encode", grid, x3, *x3.stride(), t, out.tokens // m, c, out.n_full, out.rest, r_last,
+    launch_kernel("encode", grid, x3, *x3.stride(), t, out.tokens // m, c, out.n_full, out.rest, r_last,
             out.lo if seed is None else seed, slot, rows, out.lo if row_scale is None else row_scale, _top(x3.dtype),
             out.codes, split, out.lo if out.lfc is None else out.lfc, out.lo, out.scale,
             HAS_SEED=seed is not None, HAS_SLOT=exact is not None, NBT=_pow2(group // block),
@@ -238,14 +242,14 @@ def decode_tokens(p) -> torch.Tensor:
     r_last, split, grid, meta = _grid_and_meta(c, n_full, rest, group, p.bits, block)
     top = _top(p.dtype)
     rs = p.row_scale
-    _launch("decode", grid, out, t, tp, c, n_full, rest, r_last, p.packed, split,
+    launch_kernel("decode", grid, out, t, tp, c, n_full, rest, r_last, p.packed, split,
             p.lo if p.lfc is None else p.lfc, p.lo, p.scale, p.lo if rs is None else rs, top,
             HAS_LFC=p.lfc is not None, CLAMP=p.dtype != torch.float32, OUT_BF16=p.dtype == torch.bfloat16,
             ROW_SCALE=rs is not None, **meta)
     if p.rows is not None and p.rows.numel():
         keep = p.row_keep
         bc = max(16, min(_pow2(c), 1024))
-        _launch("put_rows", (p.rows.shape[0], _cdiv(c, bc)), out, p.rows, p.row_index,
+        launch_kernel("put_rows", (p.rows.shape[0], _cdiv(c, bc)), out, p.rows, p.row_index,
                 p.row_index if keep is None else keep.view(torch.int8), c, HAS_KEEP=keep is not None, BC=bc)
     return out.view(m, t, c)
 
@@ -270,10 +274,10 @@ def exact_tokens(x3: torch.Tensor, ratio: float, row_scale: torch.Tensor | None 
     keep = torch.empty(k, dtype=torch.int8, device=dev)
     bt = 64
     bc = max(16, min(_pow2(c), 2048 // bt))
-    _launch("score", (_cdiv(max(n, k), bt),), x3, *x3.stride(), t, c, n, work, row_index, keep, k,
+    launch_kernel("score", (_cdiv(max(n, k), bt),), x3, *x3.stride(), t, c, n, work, row_index, keep, k,
             work if row_scale is None else row_scale, BT=bt, BC=bc, ROW_SCALE=row_scale is not None)
     bt = 1024
-    _launch("select", (_cdiv(n, bt),), work, n, _cdiv(n, SAMPLE), k, float(ratio), row_index, keep,
+    launch_kernel("select", (_cdiv(n, bt),), work, n, _cdiv(n, SAMPLE), k, float(ratio), row_index, keep,
             SAMPLE=SAMPLE, BT=bt)
     rows = torch.empty(k, c, dtype=x3.dtype, device=dev)
     return dict(slot=work, rows=rows, row_index=row_index, row_keep=keep.view(torch.bool))
@@ -348,6 +352,12 @@ COMPILED_VARIANTS = {
     "score row-scaled": ("score", _score_types("*fp32"), dict(C=576, BT=64, BC=32, ROW_SCALE=True)),
     "select": ("select", {"work_ptr": "*i32", "index_ptr": "*i64", "keep_ptr": "*i8", "ratio": "fp32"},
                dict(SAMPLE=SAMPLE, BT=1024)),
+    # kernels/triton_norm.py's, at the SmolLM2 shape's width (576: rows of 1024 values, 4 per program)
+    "rms_rebuild": ("rms_rebuild", {"x_ptr": "*bf16", "w_ptr": "*fp32", "y_ptr": "*fp32", "rstd_ptr": "*fp32",
+                                    "eps": "fp32"}, dict(ROWS=4, BC=1024)),
+    "rms_grad": ("rms_grad", {"g_ptr": "*fp32", "x_ptr": "*bf16", "rstd_ptr": "*fp32", "w_ptr": "*fp32",
+                              "dx_ptr": "*bf16", "dw_ptr": "*fp32"},
+                 dict(NEED_X=True, NEED_W=True, ITERS=4, ROWS=4, BC=1024)),
 }
 
 

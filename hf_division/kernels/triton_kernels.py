@@ -1,6 +1,7 @@
-"""The compressor's Triton kernels (jit code only; launched by :mod:`.triton_codec`, which imports
-this module with ``TRITON_INTERPRET=1`` where no CUDA device is present). The math of each is named
-in its docstring; why they are shaped so is docs/DESIGN.md, "On a GPU"."""
+"""Division's Triton kernels, jit code only: the compressor's (launched by :mod:`.triton_codec`, which
+imports this module with ``TRITON_INTERPRET=1`` where no CUDA device is present) and Llama's RMSNorm
+rebuilt and differentiated (launched by :mod:`.triton_norm`). The math of each is named in its
+docstring; why they are shaped so is docs/DESIGN.md, "On a GPU"."""
 import triton
 import triton.language as tl
 
@@ -342,3 +343,52 @@ def select_kernel(work_ptr, n, stride, k, ratio, index_ptr, keep_ptr, SAMPLE: tl
     tl.store(slot_ptr + tok, tl.where(take, slot * 2 + 1, -1), mask=ok)
     tl.store(index_ptr + slot, tok.to(tl.int64), mask=take)
     tl.store(keep_ptr + slot, tl.full((BT,), 1, tl.int8), mask=take)
+
+
+
+@triton.jit
+def rms_rebuild_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, N, C, eps, ROWS: tl.constexpr, BC: tl.constexpr):
+    """Llama's RMSNorm on ``ROWS`` whole rows of ``(N, C)`` (``BC >= C``): ``rstd = 1/sqrt(mean(x^2)
+    + eps)`` (float32, stored) and ``y = w * (x * rstd)``, ``x * rstd`` rounded to x's dtype first
+    as the module rounds it."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    ch = tl.arange(0, BC)
+    ok = rows < N
+    m = ok[:, None] & (ch < C)[None, :]
+    at = rows.to(tl.int64)[:, None] * C + ch[None, :]
+    x = tl.load(x_ptr + at, mask=m, other=0.0)
+    x32 = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x32 * x32, axis=1) / C + eps)
+    tl.store(rstd_ptr + rows, rstd, mask=ok)
+    w = tl.load(w_ptr + ch, mask=ch < C, other=0.0).to(tl.float32)
+    tl.store(y_ptr + at, w[None, :] * (x32 * rstd[:, None]).to(x.dtype).to(tl.float32), mask=m)
+
+
+@triton.jit
+def rms_grad_kernel(g_ptr, x_ptr, rstd_ptr, w_ptr, dx_ptr, dw_ptr, N, C, NEED_X: tl.constexpr, NEED_W: tl.constexpr,
+                    ITERS: tl.constexpr, ROWS: tl.constexpr, BC: tl.constexpr):
+    """The RMSNorm's gradient over ``ITERS`` blocks of ``ROWS`` whole rows, from the output's
+    gradient ``g``, the input ``x`` and :func:`rms_rebuild_kernel`'s ``rstd``: ``dx = rstd * (g*w -
+    x_n * mean(g*w * x_n))`` in dx's dtype (NEED_X), and this program's row of ``dw``'s partial
+    sums, ``g * x_n`` summed over its rows in order (NEED_W; the launcher sums the programs' rows)."""
+    pid = tl.program_id(0)
+    ch = tl.arange(0, BC)
+    cm = ch < C
+    w = tl.load(w_ptr + ch, mask=cm, other=0.0).to(tl.float32)
+    acc = tl.zeros((BC,), tl.float32)
+    for i in range(ITERS):
+        rows = (pid * ITERS + i) * ROWS + tl.arange(0, ROWS)
+        ok = rows < N
+        m = ok[:, None] & cm[None, :]
+        at = rows.to(tl.int64)[:, None] * C + ch[None, :]
+        rstd = tl.load(rstd_ptr + rows, mask=ok, other=0.0)
+        g = tl.load(g_ptr + at, mask=m, other=0.0).to(tl.float32)
+        xn = tl.load(x_ptr + at, mask=m, other=0.0).to(tl.float32) * rstd[:, None]
+        if NEED_X:
+            gy = g * w[None, :]
+            mean = tl.sum(gy * xn, axis=1) / C
+            tl.store(dx_ptr + at, (gy - xn * mean[:, None]) * rstd[:, None], mask=m)
+        if NEED_W:
+            acc += tl.sum(g * xn, axis=0)
+    if NEED_W:
+        tl.store(dw_ptr + pid.to(tl.int64) * C + ch, acc, mask=cm)

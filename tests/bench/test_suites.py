@@ -290,7 +290,7 @@ def test_launches_suite_counts_the_gpu_path(tmp_path):
 
 def test_dispatch_suite_times_tritons_launch_path(tmp_path):
     # in a process without the interpreter (the kernels compile for a simulated sm_90 device): the
-    # three arms' host steps, division's Triton launches per step, and per tensor both ways
+    # four arms' host steps, division's Triton launches per step, and per tensor both ways
     from hf_division.bench.suites import dispatch
     from hf_division.kernels import triton_codec
 
@@ -307,8 +307,11 @@ def test_dispatch_suite_times_tritons_launch_path(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     res = json.loads(out.read_text())
     steps, tensor = res["steps"], res["tensor"]
-    assert all(0 < steps[arm]["min"] <= steps[arm]["median"] for arm in ("none", "division", "division-triton"))
+    assert all(0 < steps[arm]["min"] <= steps[arm]["median"]
+               for arm in ("none", "division", "division-triton", "division-norms-torch"))
     assert steps["division"]["triton_launches"] == steps["division-triton"]["triton_launches"] > 0
+    # the layer's two norms and the final one: a rebuild and a gradient kernel each, or none
+    assert steps["division"]["triton_launches"] - steps["division-norms-torch"]["triton_launches"] == 2 * 3
     assert {way: t["launches"] for way, t in tensor.items()} == {"division": 5, "division-triton": 5}
     assert "saved a launch" in done.stdout
 

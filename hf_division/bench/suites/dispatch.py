@@ -13,8 +13,10 @@ The shape's depth and layers at the ``launches`` suite's narrow width
 (:data:`~hf_division.bench.suites.launches.HOST_WIDTH`, its ``min_numel``), one training step per
 round, arms interleaved: ``none``; ``division``, its kernels launched again through
 :mod:`hf_division.kernels.launcher`; ``division-triton``, every launch through Triton's dispatch
-(the ``triton_launch`` switch off). Also the host's microseconds to compress and rebuild one bf16
-tensor of ``--host-tokens`` x the shape's hidden size, both ways, and per launch.
+(the ``triton_launch`` switch off); ``division-norms-torch``, the norms' rebuild and gradient in torch
+ops instead of :mod:`hf_division.kernels.triton_norm`'s two kernels (the ``triton_rms_norm`` switch
+off). Also the host's microseconds to compress and rebuild one bf16 tensor of ``--host-tokens`` x
+the shape's hidden size, through the launcher and through Triton's dispatch, and per launch.
 """
 from __future__ import annotations
 
@@ -36,8 +38,11 @@ from hf_division.compress.pipeline import compress, decompress
 from hf_division.config import DivisionConfig
 from hf_division.kernels import configured, triton_codec
 
-#: the arms' ``triton_launch`` switch
-WAYS = {"division": dict(triton_launch=True), "division-triton": dict(triton_launch=False)}
+#: the division arms' switches
+WAYS = {"division": dict(triton_launch=True), "division-triton": dict(triton_launch=False),
+        "division-norms-torch": dict(triton_rms_norm=False)}
+#: the ways a saved tensor's compress and rebuild are timed (the norms' switch does not reach them)
+LAUNCH_WAYS = ("division", "division-triton")
 
 
 def per_tensor(hidden: int, tokens: int, rounds: int) -> dict:
@@ -48,7 +53,7 @@ def per_tensor(hidden: int, tokens: int, rounds: int) -> dict:
     with gpu_path(), simulated_cuda(keep=False) as launched:
         p = compress(x, **kw)
         decompress(p)
-        for way in list(WAYS) * 2:  # interleaved, each twice: the second kept
+        for way in LAUNCH_WAYS * 2:  # interleaved, each twice: the second kept
             with configured(**WAYS[way]):
                 n0 = launched.n
                 compress(x, **kw)
@@ -65,7 +70,7 @@ def steps(shape: str, layers: int | None, size: tuple[int, int], rounds: int, au
     none = cuda_suite.build(shape, "cpu", layers=layers, **HOST_WIDTH).train()
     div = cuda_suite.build(shape, "cpu", layers=layers, **HOST_WIDTH).train()
     apply_division(div, DivisionConfig(min_numel=HOST_MIN_NUMEL))
-    models = {"none": none, "division": div, "division-triton": div}
+    models = {"none": none, **{arm: div for arm in WAYS}}
     batch = random_tokens(HOST_WIDTH["vocab_size"], *size, seed=0)
     batch["labels"] = batch["input_ids"]
     with gpu_path(), simulated_cuda(keep=False) as launched:
@@ -89,11 +94,11 @@ def report(res: dict, size: tuple[int, int], rounds: int) -> str:
     lines = [f"host per step at hidden {HOST_WIDTH['hidden_size']}, {size[0]}x{size[1]} tokens, Triton's launch path "
              f"simulated ({rounds} steps each, median):"]
     for arm in ("none", *WAYS):
-        lines.append(f"  {arm:16s} {s[arm]['median']:7.1f} ms ({s[arm]['median'] / base:.2f}x none; min {s[arm]['min']:.1f})")
+        lines.append(f"  {arm:20s} {s[arm]['median']:7.1f} ms ({s[arm]['median'] / base:.2f}x none; min {s[arm]['min']:.1f})")
     lines.append("  Triton launches a step: " + ", ".join(f"{arm} {s[arm]['triton_launches']}" for arm in WAYS))
     t = res["tensor"]
     lines.append(f"host per saved {res['tensor_shape']} bf16 tensor, compress + rebuild ({t['division']['launches']} launches): "
-                 + ", ".join(f"{way} {t[way]['us']:.0f} us" for way in WAYS)
+                 + ", ".join(f"{way} {t[way]['us']:.0f} us" for way in LAUNCH_WAYS)
                  + f"; {(t['division-triton']['us'] - t['division']['us']) / t['division']['launches']:.1f} us saved a launch")
     return "\n".join(lines)
 

@@ -1,0 +1,94 @@
+"""Llama's RMSNorm rebuilt and differentiated in fused Triton kernels, where the compressor's Triton
+kernels run (the ``triton_rms_norm`` switch; docs/DESIGN.md, "On a GPU").
+
+Why: :mod:`hf_division.autograd.rms_norm` writes the norm's gradient out in torch ops. On a GPU each
+op is a kernel launch and a pass over the ``(tokens, C)`` tensor in float32: about ten to rebuild
+the output the next Linear needs, ten more for the gradient, per norm per step. Here the rebuild is
+one kernel (``y`` and ``1/rms`` from the rebuilt input) and the gradient one kernel plus the sum of
+the weight gradient's partial rows: each reads its inputs once.
+
+The values are the torch formula's to float32 rounding (the sums run in another order); the weight
+gradient's partial sums follow a fixed split of the rows (:data:`PROGRAMS`), so a step gives the
+same gradient on every device and every run.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from hf_division.kernels import triton_codec
+from hf_division.kernels.switches import switches
+
+#: the widest row the kernels take whole (wider norms keep the torch formula)
+MAX_WIDTH = 16384
+#: values per program's tile: rows of the width rounded up to a power of 2, at least one
+TILE = 4096
+#: programs of the gradient kernel at most: each sums its rows' share of the weight gradient, and
+#: the launcher adds the programs' rows (a fixed split, whatever the device)
+PROGRAMS = 512
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the norm of ``x`` (``(..., C)``) with ``weight`` (``(C,)``) goes through the kernels:
+    the switch on, the compressor's Triton kernels running on ``x``'s device, a floating ``x`` at
+    most :data:`MAX_WIDTH` wide."""
+    return (switches().triton_rms_norm and triton_codec.applies(x.device) and x.is_floating_point()
+            and 0 < x.shape[-1] <= MAX_WIDTH and weight.dim() == 1 and weight.is_contiguous())
+
+
+def _pow2(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+def _tile(c: int) -> tuple[int, int]:
+    """``(rows, row width)`` of a program's tile for width ``c``."""
+    bc = _pow2(c)
+    return max(1, TILE // bc), bc
+
+
+@functools.lru_cache(maxsize=None)
+def _promoted(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    return torch.promote_types(a, b)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1]).contiguous()
+
+
+def rebuild(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, rstd)``: the module's output for ``x`` (``weight * (x * rstd)`` with ``x * rstd`` in
+    ``x``'s dtype, ``y`` in the two dtypes' promotion) and ``rstd = 1/sqrt(mean(x^2) + eps)`` per row
+    (float32, ``(N,)``); one launch."""
+    x2 = _rows(x)
+    n, c = x2.shape
+    y = torch.empty(x.shape, dtype=_promoted(weight.dtype, x.dtype), device=x.device)
+    rstd = torch.empty(n, dtype=torch.float32, device=x.device)
+    rows, bc = _tile(c)
+    if n:
+        triton_codec.launch_kernel("rms_rebuild", (-(-n // rows),), x2, weight, y, rstd, n, c, float(eps),
+                                   ROWS=rows, BC=bc)
+    return y, rstd
+
+
+def gradients(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype,
+              need_x: bool, need_w: bool):
+    """``(dx in dtype, dweight in weight's dtype)`` for the output's gradient ``grad`` from the input
+    ``x`` and :func:`rebuild`'s ``rstd`` (None where not needed); one launch, and the sum of the
+    weight gradient's partial rows."""
+    g2, x2 = _rows(grad), _rows(x)
+    n, c = x2.shape
+    rows, bc = _tile(c)
+    blocks = -(-n // rows)
+    iters = _pow2(-(-blocks // PROGRAMS))
+    programs = -(-blocks // iters)
+    dx = torch.empty(grad.shape, dtype=dtype, device=grad.device) if need_x else None
+    part = torch.empty(programs, c, dtype=torch.float32, device=grad.device) if need_w else None
+    if n and (need_x or need_w):
+        triton_codec.launch_kernel("rms_grad", (programs,), g2, x2, rstd, weight, x2 if dx is None else dx,
+                                   rstd if part is None else part, n, c, NEED_X=need_x, NEED_W=need_w,
+                                   ITERS=iters, ROWS=rows, BC=bc)
+    gw = None
+    if need_w:
+        gw = part.sum(0).to(weight.dtype) if n else torch.zeros_like(weight)
+    return dx, gw
