@@ -167,6 +167,19 @@ def test_kept_kernels_launch_as_tritons_dispatch_on_device():
         assert all(torch.equal(a, b) for a, b in zip(got[False], got[True]))
 
 
+@pytest.mark.skipif(DEV != "cuda" or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_tensor_on_a_device_not_current_compresses_as_on_the_current_one():
+    """A model spread over two GPUs in one process (``device_map="auto"``): a tensor on cuda:1 while
+    cuda:0 is current compresses and rebuilds as the same tensor on cuda:0, to the bit (Triton
+    refuses another device's pointers where its kernels launch on the current one)."""
+    x = torch.randn(2, 300, 96, device="cuda:0").bfloat16()
+    kw = dict(bits=4, block_size=16, group_size=256, outlier_ratio=4.0)
+    with torch.cuda.device(0):
+        here = [compress(t, generator=torch.Generator(t.device).manual_seed(3), **kw) for t in (x, x.to("cuda:1"))]
+        rebuilt = [decompress(p).cpu() for p in here]
+    assert torch.equal(here[0].packed.cpu(), here[1].packed.cpu()) and torch.equal(*rebuilt)
+
+
 @needs_cuda
 def test_training_step_without_host_sync_on_device():
     """A whole division step (forward, backward) reads nothing back: CUDA's sync debug mode raises

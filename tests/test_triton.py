@@ -282,6 +282,24 @@ class _HostOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def test_a_launch_makes_its_tensors_gpu_current_where_another_is(monkeypatch):
+    """With two GPUs, a tensor on the one that is not current (``device_map="auto"``) is launched for
+    under ``torch.cuda.device`` of its own (Triton launches on the current device); one GPU, the
+    current one or a CPU tensor: no switch, nothing paid for it (tests/test_cuda.py runs both GPUs)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: ("switch to", d))
+
+    class On:  # a tensor's device, as launch_kernel reads it
+        def __init__(self, device):
+            self.device = torch.device(device)
+
+    assert tc.device_switch(On("cuda:1")) == ("switch to", torch.device("cuda:1"))
+    assert tc.device_switch(On("cuda:0")) is None and tc.device_switch(On("cpu")) is None
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert tc.device_switch(On("cuda:1")) is None
+
+
 def test_host_ops_per_saved_tensor():
     """What the host does around the kernels for one saved tensor, each op a dispatch (several
     microseconds on a GPU's host, docs/DESIGN.md "On a GPU"): at most 13 torch ops to compress it

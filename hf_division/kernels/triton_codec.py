@@ -159,12 +159,32 @@ def launch_kernel(name: str, grid: tuple, *args, **meta) -> None:
         return
     _launching["depth"] += 1
     try:
-        if direct and compiled:
-            launcher.launch(fn, grid, args, meta, options)
-        else:  # Triton's dispatch (and the interpreter's)
-            fn[grid](*args, **meta, **options)
+        switch = device_switch(args[0])
+        if switch is not None:
+            with switch:
+                _run(fn, grid, args, meta, options, direct and compiled)
+        else:
+            _run(fn, grid, args, meta, options, direct and compiled)
     finally:
         _launching["depth"] -= 1
+
+
+def _run(fn, grid, args, meta, options, kept: bool) -> None:
+    if kept:
+        launcher.launch(fn, grid, args, meta, options)
+    else:  # Triton's dispatch (and the interpreter's)
+        fn[grid](*args, **meta, **options)
+
+
+def device_switch(t: torch.Tensor):
+    """``torch.cuda.device(t.device)`` where ``t`` is on a CUDA device other than the current one,
+    else None. Triton launches on the current device and refuses another device's pointers
+    (triton-lang/triton#5205): a model spread over the GPUs of one process (``device_map="auto"``)
+    has layers on devices that are not current."""
+    device = t.device
+    if device.type != "cuda" or torch.cuda.device_count() < 2 or device.index == torch.cuda.current_device():
+        return None
+    return torch.cuda.device(device)
 
 
 def _cdiv(a: int, b: int) -> int:
