@@ -137,12 +137,13 @@ def test_gpu_session_scripts_run_on_cpu(tmp_path):
     minutes are too few to find a broken script there."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert subprocess.run(["bash", "-n", os.path.join(root, "scripts", "gpu_session.sh")]).returncode == 0
-    env = dict(os.environ, OUT=str(tmp_path), PROBE_DEV="cpu", ARMS="none division division-triton", PYTHONPATH=root)
+    env = dict(os.environ, OUT=str(tmp_path), PROBE_DEV="cpu", ARMS="none division division-triton division-norms-torch",
+               PYTHONPATH=root)
     run = subprocess.run([sys.executable, os.path.join(root, "scripts", "cuda_profile.py")], env=env, cwd=root,
                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads((tmp_path / "profile.json").read_text())
-    assert res["shape"] == "tiny" and list(res["arms"]) == ["none", "division", "division-triton"]
+    assert res["shape"] == "tiny" and list(res["arms"]) == ["none", "division", "division-triton", "division-norms-torch"]
     none, division = res["arms"]["none"], res["arms"]["division"]
     assert 0 < none["aten_calls"] < division["aten_calls"] and division["step_ms"] > 0
     assert none["launches"] == 0 and none["gpu_busy"] == 0  # no CUDA kernels on the CPU
