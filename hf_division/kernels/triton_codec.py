@@ -381,6 +381,8 @@ COMPILED_VARIANTS = {
 }
 
 
-#: per kernel launch options: no multiply-add fusion where the reference rounds each product
-_OPTIONS = {"encode": {"enable_fp_fusion": False}, "decode": {"enable_fp_fusion": False}}
+#: per kernel launch options: no multiply-add fusion where the reference rounds each product; eight
+#: warps for the RMSNorm's tiles of 4,096 values and more (kernels/triton_norm.py)
+_OPTIONS = {"encode": {"enable_fp_fusion": False}, "decode": {"enable_fp_fusion": False},
+            "rms_rebuild": {"num_warps": 8}, "rms_grad": {"num_warps": 8}}
 _NO_OPTIONS: dict = {}
