@@ -3,8 +3,9 @@
 OUT=dir python scripts/cuda_profile.py                 (PROBE_DEV=cpu: a tiny model on the CPU, to check the script)
 OUT=dir ARMS="none division" SHAPE=llama-1b SIZE=4x2048 python scripts/cuda_profile.py
     (arms: none, division, division-triton: division with every Triton launch through Triton's dispatch,
-    the triton_launch switch off; division-norms-torch: the RMSNorms' rebuild and gradient in torch ops,
-    the triton_rms_norm switch off; checkpointing, division+checkpointing)
+    the triton_launch switch off; division-unfused: the RMSNorms' rebuild and gradient and the gated MLPs'
+    product and gradients in torch ops, the triton_rms_norm and triton_gated switches off; checkpointing,
+    division+checkpointing)
 
 A random-init model of ``SHAPE``'s shape (``hf_division.bench.suites.cuda.build``; default SmolLM2-135M's,
 8 x 1024 random tokens), bf16 autocast, the compressor's default kernels (Triton's on a GPU). For each arm:
@@ -30,7 +31,7 @@ OUT = os.environ["OUT"]
 DEV = os.environ.get("PROBE_DEV", "cuda")
 SHAPE = os.environ.get("SHAPE", "smollm2" if DEV == "cuda" else "tiny")
 B, T = parse_size(os.environ.get("SIZE", "8x1024" if DEV == "cuda" else "2x64"))
-ARMS = os.environ.get("ARMS", "none division division-triton division-norms-torch division+checkpointing").split()
+ARMS = os.environ.get("ARMS", "none division division-triton division-unfused division+checkpointing").split()
 #: arms that are division with a fast path off: the switches they turn off
 SWITCHED = {"-triton": {"triton_launch": False}, "-norms-torch": {"triton_rms_norm": False}}
 

@@ -388,9 +388,10 @@ def test_kernels_compile_for_an_h200():
 @pytest.mark.parametrize("amp", [None, torch.bfloat16])
 def test_a_training_step_through_the_kernels_matches_the_torch_path(amp):
     """A Llama step (2 layers, sdpa) with every saved tensor through the Triton kernels, rounding to
-    nearest: with the norms' torch formula, the gradient equals the CPU path's to the bit (the same
-    codes, exact tokens and rebuild); with the norms' fused kernels (kernels/triton_norm.py), to
-    float32 rounding; against the unpatched model it is as close as the CPU path's."""
+    nearest: with the norms' and the gated MLPs' torch ops, the gradient equals the CPU path's to the
+    bit (the same codes, exact tokens and rebuild); with their Triton kernels (kernels/triton_norm.py,
+    kernels/triton_gated.py), to float32 rounding; against the unpatched model it is as close as the
+    CPU path's."""
     import hf_division as hd
     from hf_division.analysis.fidelity import cosine, flat_grad
     from hf_division.bench.suites import cuda as cuda_suite
@@ -403,8 +404,9 @@ def test_a_training_step_through_the_kernels_matches_the_torch_path(amp):
     with configured(**GPU_SWITCHES):
         before = tc.launches()
         fused_norms = flat_grad(model, batch, 0, amp)
-        assert tc.launches() - before >= 40 + 2 * 5  # every saved tensor, each norm's rebuild and gradient
-        with configured(triton_rms_norm=False):
+        # every saved tensor, each norm's rebuild and gradient, each gated MLP's product and gradients
+        assert tc.launches() - before >= 40 + 2 * 5 + 2 * 2
+        with configured(triton_rms_norm=False, triton_gated=False):
             triton_path = flat_grad(model, batch, 0, amp)
         with configured(triton=False):
             before = tc.launches()

@@ -16,6 +16,7 @@ from hf_division.autograd.accounting import account_tensors
 from hf_division.config import DivisionConfig
 from hf_division.autograd.first_order import first_order
 from hf_division.autograd.forward_mode import outside
+from hf_division.kernels import triton_gated
 from hf_division.kernels.switches import switches
 from hf_division.autograd.dropout import DropoutMasks
 from hf_division.autograd.gated_product import silu_gated
@@ -171,14 +172,16 @@ class GatedFn(torch.autograd.Function):
         h = up * a if up_first else a * up
         ctx.act, ctx.entries = act, (keep(gate, "activation", config), keep(up, "activation", config))
         ctx.amp, ctx.acts = autocast_state(), {}
-        acts, amp = ctx.acts, ctx.amp
+        acts, amp, silu = ctx.acts, ctx.amp, _is_silu(act)
 
         def product(g, u):
+            if silu and triton_gated.applies(g, u):  # one pass; the backward forms silu(g) again
+                return triton_gated.product(g, u)
             with torch.no_grad(), autocast_as(amp):
                 a = acts["a"] = act(g)
                 return u * a if up_first else a * u
 
-        ctx.silu = _is_silu(act) and not any(on for _, on, _ in amp)
+        ctx.is_silu, ctx.silu = silu, silu and not any(on for _, on, _ in amp)
         derive(h, ctx.entries, product, whole=_compressed_product if ctx.silu else None)
         return h
 
@@ -189,6 +192,8 @@ class GatedFn(torch.autograd.Function):
         if fused is not None:
             return None, None, None, *fused
         gate, up = (e.take() for e in ctx.entries)
+        if ctx.is_silu and triton_gated.applies(grad, gate, up):  # one pass over grad, gate and up
+            return None, None, None, *triton_gated.gradients(grad, gate, up, *ctx.needs_input_grad[3:5])
         a = ctx.acts.pop("a", None)
         direct = elementwise_grad(ctx.act) if switches().shared_recomputation else None
         # under autocast too: SiLU and GELU are on no autocast list, so their ATen derivative is

@@ -46,6 +46,9 @@ class Switches:
     triton_rms_norm: bool = _switch(
         "Llama-form RMSNorm's rebuild and gradient in two fused Triton kernels where the compressor's Triton "
         "kernels run (kernels/triton_norm.py). Off: the formula in torch ops, about twenty kernels per norm.")
+    triton_gated: bool = _switch(
+        "A SiLU-gated MLP's product and gradients in one Triton kernel each where the compressor's Triton kernels "
+        "run (kernels/triton_gated.py). Off: torch's ops, five kernels and silu(gate) held between them.")
     gated_from_codes: bool = _switch(
         "A SiLU-gated MLP's product and gradients computed natively from the compressed gate and up codes, "
         "neither rebuilt as a tensor (CPU, float32). Off: both rebuilt, then ATen's ops.")

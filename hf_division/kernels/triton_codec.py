@@ -374,10 +374,14 @@ COMPILED_VARIANTS = {
                dict(SAMPLE=SAMPLE, BT=1024)),
     # kernels/triton_norm.py's, at the SmolLM2 shape's width (576: rows of 1024 values, 4 per program)
     "rms_rebuild": ("rms_rebuild", {"x_ptr": "*bf16", "w_ptr": "*fp32", "y_ptr": "*fp32", "rstd_ptr": "*fp32",
-                                    "eps": "fp32"}, dict(ROWS=4, BC=1024)),
+                                    "eps": "fp32"}, dict(XD=1, YD=3, ROWS=4, BC=1024)),
     "rms_grad": ("rms_grad", {"g_ptr": "*fp32", "x_ptr": "*bf16", "rstd_ptr": "*fp32", "w_ptr": "*fp32",
                               "dx_ptr": "*bf16", "dw_ptr": "*fp32"},
-                 dict(NEED_X=True, NEED_W=True, ITERS=4, ROWS=4, BC=1024)),
+                 dict(NEED_X=True, NEED_W=True, DXD=1, ITERS=4, ROWS=4, BC=1024)),
+    # kernels/triton_gated.py's, in bf16 (autocast)
+    "silu_mul": ("silu_mul", {"g_ptr": "*bf16", "u_ptr": "*bf16", "h_ptr": "*bf16"}, dict(D=1, BLOCK=1024)),
+    "silu_mul_grad": ("silu_mul_grad", {"d_ptr": "*bf16", "g_ptr": "*bf16", "u_ptr": "*bf16", "dg_ptr": "*bf16",
+                                        "du_ptr": "*bf16"}, dict(NEED_G=True, NEED_U=True, D=1, BLOCK=1024)),
 }
 
 

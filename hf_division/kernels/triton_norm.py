@@ -24,6 +24,8 @@ from hf_division.kernels.switches import switches
 MAX_WIDTH = 16384
 #: values per program's tile: rows of the width rounded up to a power of 2, at least one
 TILE = 4096
+#: the dtypes the kernels take and round to, as their rounding codes (``triton_kernels.round_lfc``'s)
+ROUNDED = {dtype: code for dtype, code in triton_codec.LFC_KIND.items() if dtype is not None}
 #: programs of the gradient kernel at most: each sums its rows' share of the weight gradient, and
 #: the launcher adds the programs' rows (a fixed split, whatever the device)
 PROGRAMS = 512
@@ -33,8 +35,8 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the norm of ``x`` (``(..., C)``) with ``weight`` (``(C,)``) goes through the kernels:
     the switch on, the compressor's Triton kernels running on ``x``'s device, a floating ``x`` at
     most :data:`MAX_WIDTH` wide."""
-    return (switches().triton_rms_norm and triton_codec.applies(x.device) and x.is_floating_point()
-            and 0 < x.shape[-1] <= MAX_WIDTH and weight.dim() == 1 and weight.is_contiguous())
+    return (switches().triton_rms_norm and triton_codec.applies(x.device) and x.dtype in ROUNDED
+            and weight.dtype in ROUNDED and 0 < x.shape[-1] <= MAX_WIDTH and weight.dim() == 1 and weight.is_contiguous())
 
 
 def _pow2(n: int) -> int:
@@ -67,7 +69,7 @@ def rebuild(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Te
     rows, bc = _tile(c)
     if n:
         triton_codec.launch_kernel("rms_rebuild", (-(-n // rows),), x2, weight, y, rstd, n, c, float(eps),
-                                   ROWS=rows, BC=bc)
+                                   XD=ROUNDED[x.dtype], YD=ROUNDED[y.dtype], ROWS=rows, BC=bc)
     return y, rstd
 
 
@@ -87,7 +89,7 @@ def gradients(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: t
     if n and (need_x or need_w):
         triton_codec.launch_kernel("rms_grad", (programs,), g2, x2, rstd, weight, x2 if dx is None else dx,
                                    rstd if part is None else part, n, c, NEED_X=need_x, NEED_W=need_w,
-                                   ITERS=iters, ROWS=rows, BC=bc)
+                                   DXD=ROUNDED[dtype], ITERS=iters, ROWS=rows, BC=bc)
     gw = None
     if need_w:
         gw = part.sum(0).to(weight.dtype) if n else torch.zeros_like(weight)

@@ -137,13 +137,13 @@ def test_gpu_session_scripts_run_on_cpu(tmp_path):
     minutes are too few to find a broken script there."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert subprocess.run(["bash", "-n", os.path.join(root, "scripts", "gpu_session.sh")]).returncode == 0
-    env = dict(os.environ, OUT=str(tmp_path), PROBE_DEV="cpu", ARMS="none division division-triton division-norms-torch",
+    env = dict(os.environ, OUT=str(tmp_path), PROBE_DEV="cpu", ARMS="none division division-triton division-unfused",
                PYTHONPATH=root)
     run = subprocess.run([sys.executable, os.path.join(root, "scripts", "cuda_profile.py")], env=env, cwd=root,
                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads((tmp_path / "profile.json").read_text())
-    assert res["shape"] == "tiny" and list(res["arms"]) == ["none", "division", "division-triton", "division-norms-torch"]
+    assert res["shape"] == "tiny" and list(res["arms"]) == ["none", "division", "division-triton", "division-unfused"]
     none, division = res["arms"]["none"], res["arms"]["division"]
     assert 0 < none["aten_calls"] < division["aten_calls"] and division["step_ms"] > 0
     assert none["launches"] == 0 and none["gpu_busy"] == 0  # no CUDA kernels on the CPU
@@ -309,10 +309,11 @@ def test_dispatch_suite_times_tritons_launch_path(tmp_path):
     res = json.loads(out.read_text())
     steps, tensor = res["steps"], res["tensor"]
     assert all(0 < steps[arm]["min"] <= steps[arm]["median"]
-               for arm in ("none", "division", "division-triton", "division-norms-torch"))
+               for arm in ("none", "division", "division-triton", "division-unfused"))
     assert steps["division"]["triton_launches"] == steps["division-triton"]["triton_launches"] > 0
-    # the layer's two norms and the final one: a rebuild and a gradient kernel each, or none
-    assert steps["division"]["triton_launches"] - steps["division-norms-torch"]["triton_launches"] == 2 * 3
+    # the layer's two norms and the final one, a rebuild and a gradient kernel each; the layer's gated
+    # MLP, a product and a gradient kernel; or none of them
+    assert steps["division"]["triton_launches"] - steps["division-unfused"]["triton_launches"] == 2 * 3 + 2
     assert {way: t["launches"] for way, t in tensor.items()} == {"division": 5, "division-triton": 5}
     assert "saved a launch" in done.stdout
 
