@@ -35,13 +35,17 @@ if [ "$LAUNCHER_TEST" != 0 ]; then
   CUDA_TESTS+=(-k "not kept_kernels")  # already reported: -x would stop the rest at it
   echo "the launcher's test did not pass: HF_DIVISION_TRITON_LAUNCH=0 from here" | tee -a "$OUT/test_launcher.txt"
 fi
-# 0b. the RMSNorm's Triton kernels (hf_division/kernels/triton_norm.py) against the torch formula on the
-#     device: where they fail, everything after runs with the formula, so the figures hold
-timeout 60 python -m pytest -q tests/kernels/test_triton_norm.py 2>&1 | tail -5 | tee "$OUT/test_norm.txt"
-NORM_TEST=${PIPESTATUS[0]}
-if [ "$NORM_TEST" != 0 ]; then
-  export HF_DIVISION_TRITON_RMS_NORM=0
-  echo "the RMSNorm kernels' test did not pass: HF_DIVISION_TRITON_RMS_NORM=0 from here" | tee -a "$OUT/test_norm.txt"
+# 0b. the RMSNorm's and the gated MLP's Triton kernels (hf_division/kernels/triton_norm.py, triton_gated.py)
+#     against torch's ops on the device (not the property test: each of its widths is a compile), where
+#     they fail, everything after runs with torch's ops
+timeout 90 python -m pytest -q tests/kernels/test_triton_norm.py tests/kernels/test_triton_gated.py \
+  -k "not no_further_than" 2>&1 | tail -5 \
+  | tee "$OUT/test_fused.txt"
+FUSED_TEST=${PIPESTATUS[0]}
+if [ "$FUSED_TEST" != 0 ]; then
+  export HF_DIVISION_TRITON_RMS_NORM=0 HF_DIVISION_TRITON_GATED=0
+  echo "the fused kernels' tests did not pass: HF_DIVISION_TRITON_RMS_NORM=0 HF_DIVISION_TRITON_GATED=0 from here" \
+    | tee -a "$OUT/test_fused.txt"
 fi
 # 1. correctness on the device: the kernels' codes, no host sync, a CUDA-graph step, and the suite's smoke
 timeout 120 python -m pytest -q -x "${CUDA_TESTS[@]}" 2>&1 | tail -25 | tee "$OUT/test_cuda.txt"
