@@ -10,8 +10,10 @@ token (one ``vector_norm`` pass) for both the rebuilt output the next Linear nee
     dx  = rstd * (g*w - x_n * mean(g*w * x_n)),   dw = sum over tokens of g * x_n
 
 the gradient autograd takes through the module, to float32 rounding (docs/DESIGN.md,
-"Mechanism"). Which modules compute that formula is checked on probes when a model is patched
-(:func:`eps_of`); the others (Gemma's ``1 + weight``, norms with a bias) keep the generic path.
+"Mechanism"). Where the compressor's Triton kernels run, :mod:`hf_division.kernels.triton_norm`'s
+two kernels compute the same in two launches instead of about twenty torch ops. Which modules
+compute that formula is checked on probes when a model is patched (:func:`eps_of`); the others
+(Gemma's ``1 + weight``, norms with a bias) keep the generic path.
 """
 from __future__ import annotations
 

@@ -39,6 +39,9 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 #: LFC kinds of the kernels: none, then the stored dtype
 LFC_KIND = {None: 0, torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+#: the float dtypes the kernels round to (``triton_kernels.round_lfc``), by their code: what the
+#: RMSNorm's and gated MLP's kernels take (:mod:`.triton_norm`, :mod:`.triton_gated`)
+ROUNDED = {dtype: code for dtype, code in LFC_KIND.items() if dtype is not None}
 #: tokens of the exact-token search's median sample (docs/DESIGN.md, "On a GPU")
 SAMPLE = 1024
 _counts = {"launches": 0}

@@ -17,12 +17,11 @@ from __future__ import annotations
 import torch
 
 from hf_division.kernels import triton_codec
+from hf_division.kernels.triton_codec import ROUNDED
 from hf_division.kernels.switches import switches
 
 #: elements per program
 BLOCK = 1024
-#: the dtypes the kernels take and round to, as their rounding codes (``triton_kernels.round_lfc``'s)
-ROUNDED = {dtype: code for dtype, code in triton_codec.LFC_KIND.items() if dtype is not None}
 
 
 def applies(*tensors: torch.Tensor) -> bool:

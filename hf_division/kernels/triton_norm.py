@@ -18,14 +18,13 @@ import functools
 import torch
 
 from hf_division.kernels import triton_codec
+from hf_division.kernels.triton_codec import ROUNDED
 from hf_division.kernels.switches import switches
 
 #: the widest row the kernels take whole (wider norms keep the torch formula)
 MAX_WIDTH = 16384
 #: values per program's tile: rows of the width rounded up to a power of 2, at least one
 TILE = 4096
-#: the dtypes the kernels take and round to, as their rounding codes (``triton_kernels.round_lfc``'s)
-ROUNDED = {dtype: code for dtype, code in triton_codec.LFC_KIND.items() if dtype is not None}
 #: programs of the gradient kernel at most: each sums its rows' share of the weight gradient, and
 #: the launcher adds the programs' rows (a fixed split, whatever the device)
 PROGRAMS = 512
@@ -33,10 +32,11 @@ PROGRAMS = 512
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether the norm of ``x`` (``(..., C)``) with ``weight`` (``(C,)``) goes through the kernels:
-    the switch on, the compressor's Triton kernels running on ``x``'s device, a floating ``x`` at
-    most :data:`MAX_WIDTH` wide."""
+    the switch on, the compressor's Triton kernels running on ``x``'s device, ``x`` and ``weight``
+    in dtypes the kernels round to, ``x`` at most :data:`MAX_WIDTH` wide, ``weight`` one contiguous row."""
     return (switches().triton_rms_norm and triton_codec.applies(x.device) and x.dtype in ROUNDED
-            and weight.dtype in ROUNDED and 0 < x.shape[-1] <= MAX_WIDTH and weight.dim() == 1 and weight.is_contiguous())
+            and weight.dtype in ROUNDED and 0 < x.shape[-1] <= MAX_WIDTH and weight.dim() == 1
+            and weight.is_contiguous())
 
 
 def _pow2(n: int) -> int:
