@@ -25,15 +25,18 @@ from torch.autograd import DeviceType
 from hf_division.analysis.timing import timed
 from hf_division.bench.suites.cuda import build, parse_size, set_arm, step_fn
 from hf_division.bench.textdata import random_tokens
-from hf_division.kernels import configured
+from hf_division.kernels import configured, switches
 
 OUT = os.environ["OUT"]
 DEV = os.environ.get("PROBE_DEV", "cuda")
 SHAPE = os.environ.get("SHAPE", "smollm2" if DEV == "cuda" else "tiny")
 B, T = parse_size(os.environ.get("SIZE", "8x1024" if DEV == "cuda" else "2x64"))
 ARMS = os.environ.get("ARMS", "none division division-triton division-unfused division+checkpointing").split()
-#: arms that are division with a fast path off: the switches they turn off
-SWITCHED = {"-triton": {"triton_launch": False}, "-norms-torch": {"triton_rms_norm": False}}
+#: arms that are division with fast paths off: the switches they turn off
+SWITCHED = {"division-triton": {"triton_launch": False},
+            "division-unfused": {"triton_rms_norm": False, "triton_gated": False}}
+#: the fast paths' switches each arm's profile records as it ran
+RECORDED = ("triton_launch", "triton_rms_norm", "triton_gated")
 
 
 def profiled(step) -> dict:
@@ -65,12 +68,12 @@ def main() -> dict:
     res = {"shape": SHAPE, "size": [B, T], "device": torch.cuda.get_device_name() if DEV == "cuda" else "cpu",
            "torch": torch.__version__, "arms": {}}
     for arm in ARMS:
-        suffix = next((k for k in SWITCHED if arm.endswith(k)), "")
-        set_arm(model, arm[: len(arm) - len(suffix)])
-        with configured(**SWITCHED.get(suffix, {})):
+        set_arm(model, "division" if arm in SWITCHED else arm)
+        with configured(**SWITCHED.get(arm, {})):
             step(), step()
             step_s = statistics.median(timed(step, DEV) for _ in range(5))
             prof = profiled(step)
+            prof["switches"] = {name: getattr(switches(), name) for name in RECORDED}
         with open(os.path.join(OUT, f"profile_{arm.replace('+', '_')}.txt"), "w") as f:
             f.write(prof.pop("table"))
         prof["step_ms"] = step_s * 1e3

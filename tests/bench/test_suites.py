@@ -144,6 +144,9 @@ def test_gpu_session_scripts_run_on_cpu(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads((tmp_path / "profile.json").read_text())
     assert res["shape"] == "tiny" and list(res["arms"]) == ["none", "division", "division-triton", "division-unfused"]
+    assert res["arms"]["division-unfused"]["switches"] == {"triton_launch": True, "triton_rms_norm": False,
+                                                           "triton_gated": False}
+    assert res["arms"]["division-triton"]["switches"]["triton_launch"] is False
     none, division = res["arms"]["none"], res["arms"]["division"]
     assert 0 < none["aten_calls"] < division["aten_calls"] and division["step_ms"] > 0
     assert none["launches"] == 0 and none["gpu_busy"] == 0  # no CUDA kernels on the CPU
