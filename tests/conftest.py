@@ -20,11 +20,21 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_division.bench import tiny_models as tiny
 from hf_division.bench.tiny_models import case, pixel_batch, tiny_batch, tiny_config
+from hf_division.kernels import triton_codec
 
 # The README's test command runs one pytest-xdist worker per core: each worker gets its share of
 # the cores, so workers do not oversubscribe them (a lone run keeps the 2 threads it always had)
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS) if _WORKERS else 2)
+
+#: the Triton kernels' tests run on a CUDA device, or on CPU tensors under Triton's interpreter
+TRITON_MARKS = [
+    pytest.mark.skipif(not triton_codec.available(), reason="Triton is not installed (pip install hf-division[test])"),
+    pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                       reason="no CUDA device and TRITON_INTERPRET is not 1"),
+]
+#: one unit in the last place of each float dtype, relative
+ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
 #: A launched child's limit in seconds: below pytest's per-test timeout (pyproject.toml), so the
 #: child's own timeout fires first and the failure names its command

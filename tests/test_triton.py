@@ -24,13 +24,9 @@ from hf_division.kernels import configured
 from hf_division.kernels import triton_codec as tc
 from hf_division.quant.exact_tokens import split_static
 
-from conftest import CHILD_TIMEOUT_S
+from conftest import CHILD_TIMEOUT_S, TRITON_MARKS
 
-pytestmark = [
-    pytest.mark.skipif(not tc.available(), reason="Triton is not installed (pip install hf-division[test])"),
-    pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                       reason="no CUDA device and TRITON_INTERPRET is not 1"),
-]
+pytestmark = TRITON_MARKS
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 LFC = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

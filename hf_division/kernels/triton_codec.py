@@ -194,14 +194,14 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
     """The power of 2 at or above ``n`` (>= 1), in plain Python: it runs per launch."""
     return 1 << (max(1, int(n)) - 1).bit_length()
 
 
 def _channel_tile(c: int, rows: int) -> int:
     """Channels per program: a tile of about 2048 values, at least 16 channels."""
-    return max(16, min(_pow2(c), _pow2(2048 // _pow2(rows))))
+    return max(16, min(pow2(c), pow2(2048 // pow2(rows))))
 
 
 def _layouts(group: int, rest: int, bits: int) -> tuple:
@@ -210,7 +210,7 @@ def _layouts(group: int, rest: int, bits: int) -> tuple:
     full_dtype, r_full = code_layout(group, bits)
     last_dtype, r_last = code_layout(rest, bits) if rest else (torch.uint8, 0)
     return r_last, dict(R_FULL=r_full, FULL32=full_dtype == torch.int32, LAST32=last_dtype == torch.int32,
-                        RT_FULL=_pow2(r_full), RT_LAST=_pow2(r_last))
+                        RT_FULL=pow2(r_full), RT_LAST=pow2(r_last))
 
 
 def encode_tokens(x3: torch.Tensor, seed, bits: int, block: int, group: int, lfc_dtype, exact=None,
@@ -227,11 +227,11 @@ def encode_tokens(x3: torch.Tensor, seed, bits: int, block: int, group: int, lfc
     r_last, split, grid, meta = _grid_and_meta(c, out.n_full, out.rest, group, bits, block)
     slot, rows = (out.lo, out.lo) if exact is None else (exact["slot"], exact["rows"])
     launch_kernel("encode", grid, x3, *x3.stride(), t, out.tokens // m, c, out.n_full, out.rest, r_last,
-            out.lo if seed is None else seed, slot, rows, out.lo if row_scale is None else row_scale, _top(x3.dtype),
-            out.codes, split, out.lo if out.lfc is None else out.lfc, out.lo, out.scale,
-            HAS_SEED=seed is not None, HAS_SLOT=exact is not None, NBT=_pow2(group // block),
-            LFC=LFC_KIND[lfc_dtype if block > 1 else None], ROW_SCALE=row_scale is not None,
-            ROWS_BF16=x3.dtype == torch.bfloat16, **meta)
+                  out.lo if seed is None else seed, slot, rows, out.lo if row_scale is None else row_scale,
+                  _top(x3.dtype), out.codes, split, out.lo if out.lfc is None else out.lfc, out.lo, out.scale,
+                  HAS_SEED=seed is not None, HAS_SLOT=exact is not None, NBT=pow2(group // block),
+                  LFC=LFC_KIND[lfc_dtype if block > 1 else None], ROW_SCALE=row_scale is not None,
+                  ROWS_BF16=x3.dtype == torch.bfloat16, **meta)
     return out
 
 
@@ -266,14 +266,14 @@ def decode_tokens(p) -> torch.Tensor:
     top = _top(p.dtype)
     rs = p.row_scale
     launch_kernel("decode", grid, out, t, tp, c, n_full, rest, r_last, p.packed, split,
-            p.lo if p.lfc is None else p.lfc, p.lo, p.scale, p.lo if rs is None else rs, top,
-            HAS_LFC=p.lfc is not None, CLAMP=p.dtype != torch.float32, OUT_BF16=p.dtype == torch.bfloat16,
-            ROW_SCALE=rs is not None, **meta)
+                  p.lo if p.lfc is None else p.lfc, p.lo, p.scale, p.lo if rs is None else rs, top,
+                  HAS_LFC=p.lfc is not None, CLAMP=p.dtype != torch.float32, OUT_BF16=p.dtype == torch.bfloat16,
+                  ROW_SCALE=rs is not None, **meta)
     if p.rows is not None and p.rows.numel():
         keep = p.row_keep
-        bc = max(16, min(_pow2(c), 1024))
+        bc = max(16, min(pow2(c), 1024))
         launch_kernel("put_rows", (p.rows.shape[0], _cdiv(c, bc)), out, p.rows, p.row_index,
-                p.row_index if keep is None else keep.view(torch.int8), c, HAS_KEEP=keep is not None, BC=bc)
+                      p.row_index if keep is None else keep.view(torch.int8), c, HAS_KEEP=keep is not None, BC=bc)
     return out.view(m, t, c)
 
 
@@ -296,12 +296,12 @@ def exact_tokens(x3: torch.Tensor, ratio: float, row_scale: torch.Tensor | None 
     row_index = torch.empty(k, dtype=torch.int64, device=dev)
     keep = torch.empty(k, dtype=torch.int8, device=dev)
     bt = 64
-    bc = max(16, min(_pow2(c), 2048 // bt))
+    bc = max(16, min(pow2(c), 2048 // bt))
     launch_kernel("score", (_cdiv(max(n, k), bt),), x3, *x3.stride(), t, c, n, work, row_index, keep, k,
-            work if row_scale is None else row_scale, BT=bt, BC=bc, ROW_SCALE=row_scale is not None)
+                  work if row_scale is None else row_scale, BT=bt, BC=bc, ROW_SCALE=row_scale is not None)
     bt = 1024
     launch_kernel("select", (_cdiv(n, bt),), work, n, _cdiv(n, SAMPLE), k, float(ratio), row_index, keep,
-            SAMPLE=SAMPLE, BT=bt)
+                  SAMPLE=SAMPLE, BT=bt)
     rows = torch.empty(k, c, dtype=x3.dtype, device=dev)
     return dict(slot=work, rows=rows, row_index=row_index, row_keep=keep.view(torch.bool))
 

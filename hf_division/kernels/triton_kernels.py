@@ -1,7 +1,8 @@
 """Division's Triton kernels, jit code only: the compressor's (launched by :mod:`.triton_codec`, which
-imports this module with ``TRITON_INTERPRET=1`` where no CUDA device is present) and Llama's RMSNorm
-rebuilt and differentiated (launched by :mod:`.triton_norm`). The math of each is named in its
-docstring; why they are shaped so is docs/DESIGN.md, "On a GPU"."""
+imports this module with ``TRITON_INTERPRET=1`` where no CUDA device is present), Llama's RMSNorm
+rebuilt and differentiated (launched by :mod:`.triton_norm`) and a SiLU-gated MLP's product and
+gradients (:mod:`.triton_gated`). The math of each is named in its docstring; why they are shaped
+so is docs/DESIGN.md, "On a GPU"."""
 import triton
 import triton.language as tl
 
@@ -343,7 +344,6 @@ def select_kernel(work_ptr, n, stride, k, ratio, index_ptr, keep_ptr, SAMPLE: tl
     tl.store(slot_ptr + tok, tl.where(take, slot * 2 + 1, -1), mask=ok)
     tl.store(index_ptr + slot, tok.to(tl.int64), mask=take)
     tl.store(keep_ptr + slot, tl.full((BT,), 1, tl.int8), mask=take)
-
 
 
 @triton.jit

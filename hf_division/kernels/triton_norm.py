@@ -18,7 +18,7 @@ import functools
 import torch
 
 from hf_division.kernels import triton_codec
-from hf_division.kernels.triton_codec import ROUNDED
+from hf_division.kernels.triton_codec import ROUNDED, pow2
 from hf_division.kernels.switches import switches
 
 #: the widest row the kernels take whole (wider norms keep the torch formula)
@@ -39,13 +39,9 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.is_contiguous())
 
 
-def _pow2(n: int) -> int:
-    return 1 << (max(1, n) - 1).bit_length()
-
-
 def _tile(c: int) -> tuple[int, int]:
     """``(rows, row width)`` of a program's tile for width ``c``."""
-    bc = _pow2(c)
+    bc = pow2(c)
     return max(1, TILE // bc), bc
 
 
@@ -82,7 +78,7 @@ def gradients(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: t
     n, c = x2.shape
     rows, bc = _tile(c)
     blocks = -(-n // rows)
-    iters = _pow2(-(-blocks // PROGRAMS))
+    iters = pow2(-(-blocks // PROGRAMS))
     programs = -(-blocks // iters)
     dx = torch.empty(grad.shape, dtype=dtype, device=grad.device) if need_x else None
     part = torch.empty(programs, c, dtype=torch.float32, device=grad.device) if need_w else None

@@ -5,8 +5,6 @@ the kernels decline, and GatedFn taking them in a step on the GPU's path.
 
     TRITON_INTERPRET=1 python -m pytest tests/kernels/test_triton_gated.py
 """
-import os
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,14 +14,10 @@ from hf_division.kernels import configured
 from hf_division.kernels import triton_codec as tc
 from hf_division.kernels import triton_gated
 
-pytestmark = [
-    pytest.mark.skipif(not tc.available(), reason="Triton is not installed (pip install hf-division[test])"),
-    pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                       reason="no CUDA device and TRITON_INTERPRET is not 1"),
-]
+from conftest import TRITON_MARKS, ULP
+
+pytestmark = TRITON_MARKS
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-#: one unit in the last place of each dtype, relative
-ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 
 
 @pytest.fixture(autouse=True)
