@@ -80,6 +80,31 @@ def test_codes_means_and_ranges_equal_the_reference(bits, lfc, rounding):
         assert got.lfc.dtype == ref.lfc.dtype and torch.equal(got.lfc.float(), ref.lfc.float())
 
 
+@pytest.mark.parametrize("bits,block,group,t,c", [
+    (4, 1, 256, 506, 40),  # a last group of 250 tokens in bytes: 125 rows of words, 4 tiles of 32
+    (8, 8, 512, 1000, 24),  # full groups of 128 rows of words, 16 channels wide: 2 tiles of 64
+])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_groups_wider_than_a_tile_taken_in_several(bits, block, group, t, c, rounding):
+    """A group whose rows of words outnumber a tile's (``RCH`` below ``RT``) is encoded and rebuilt
+    a tile at a time: the same codes, ranges, means and rebuild as the reference."""
+    n_full, rest = divmod(t, group)
+    meta = tc.group_launch(c, n_full, rest, group, bits, block)[3]
+    assert meta["RCH_LAST" if bits == 4 else "RCH_FULL"] < meta["RT_LAST" if bits == 4 else "RT_FULL"]
+    x = _tokens(1, t, c, torch.bfloat16, seed=bits)
+    seed = _seed(None if rounding == "nearest" else 2**32 - 3)
+    lfc = None if block == 1 else torch.bfloat16
+    got = tc.encode_tokens(x, seed, bits, block, group, lfc)
+    ref = EAGER.encode_tokens(x.float(), seed, bits, block, group, lfc)
+    assert torch.equal(got.codes, ref.codes), f"{(got.codes != ref.codes).sum()} code bytes differ"
+    assert torch.equal(got.lo.float(), ref.lo.float()) and torch.equal(got.scale.float(), ref.scale.float())
+    assert (got.lfc is None) == (lfc is None) and (lfc is None or torch.equal(got.lfc.float(), ref.lfc.float()))
+    kw = dict(bits=bits, block_size=block, group_size=group, stochastic=False)
+    with configured(**REFERENCE):
+        want = decompress(compress(x, **kw))
+    assert torch.equal(decompress(compress(x, **kw)), want)
+
+
 def test_any_strides_read_in_place():
     """A per-head tensor ``(B, H, T, d)`` stored as ``(B, T, H, d)``: the kernel reads its
     ``(B, T, H*d)`` view with its strides, and a transposed view with its own."""

@@ -199,18 +199,29 @@ def pow2(n: int) -> int:
     return 1 << (max(1, int(n)) - 1).bit_length()
 
 
+#: values of one tile of the encode and decode kernels (rows of words x channels): 8 a thread of
+#: their 4 warps, with which no variant spills registers under Triton 3.6 or 3.9
+#: (docs/DESIGN.md, "On a GPU": registers)
+TILE = 1024
+
+
 def _channel_tile(c: int, rows: int) -> int:
-    """Channels per program: a tile of about 2048 values, at least 16 channels."""
-    return max(16, min(pow2(c), pow2(2048 // pow2(rows))))
+    """Channels per program: a tile of at most :data:`TILE` values, at least 16 channels (32 bytes
+    of a bf16 row, a whole memory sector)."""
+    return max(16, min(pow2(c), TILE // pow2(rows)))
 
 
-def _layouts(group: int, rest: int, bits: int) -> tuple:
+def _layouts(group: int, rest: int, bits: int, c: int) -> tuple:
     """The word layout of a full group and of the last, partial one (``code_layout``'s), as
-    ``(r_last, launch constants)`` (cached with the rest of a launch's, :func:`_grid_and_meta`)."""
+    ``(r_last, launch constants)``, the channel tile ``BC`` and the rows of words a tile takes
+    (``RCH_*``, the rest in a loop) among them (cached with the rest of a launch's, :func:`group_launch`)."""
     full_dtype, r_full = code_layout(group, bits)
     last_dtype, r_last = code_layout(rest, bits) if rest else (torch.uint8, 0)
-    return r_last, dict(R_FULL=r_full, FULL32=full_dtype == torch.int32, LAST32=last_dtype == torch.int32,
-                        RT_FULL=pow2(r_full), RT_LAST=pow2(r_last))
+    bc = _channel_tile(c, r_full)
+    rt_full, rt_last = pow2(r_full), pow2(r_last)
+    return r_last, dict(R_FULL=r_full, FULL32=full_dtype == torch.int32, LAST32=last_dtype == torch.int32, BC=bc,
+                        RT_FULL=rt_full, RT_LAST=rt_last, RCH_FULL=min(rt_full, max(1, TILE // bc)),
+                        RCH_LAST=min(rt_last, max(1, TILE // bc)))
 
 
 def encode_tokens(x3: torch.Tensor, seed, bits: int, block: int, group: int, lfc_dtype, exact=None,
@@ -224,7 +235,7 @@ def encode_tokens(x3: torch.Tensor, seed, bits: int, block: int, group: int, lfc
     row is held as dividing then multiplying rebuilds it, in ``x3``'s dtype."""
     m, t, c = x3.shape
     out = TokenBuffers.empty(m, t, c, bits, block, group, lfc_dtype, SCALE_DTYPE, x3.device)
-    r_last, split, grid, meta = _grid_and_meta(c, out.n_full, out.rest, group, bits, block)
+    r_last, split, grid, meta = group_launch(c, out.n_full, out.rest, group, bits, block)
     slot, rows = (out.lo, out.lo) if exact is None else (exact["slot"], exact["rows"])
     launch_kernel("encode", grid, x3, *x3.stride(), t, out.tokens // m, c, out.n_full, out.rest, r_last,
                   out.lo if seed is None else seed, slot, rows, out.lo if row_scale is None else row_scale,
@@ -236,15 +247,14 @@ def encode_tokens(x3: torch.Tensor, seed, bits: int, block: int, group: int, lfc
 
 
 @functools.lru_cache(maxsize=1024)
-def _grid_and_meta(c: int, n_full: int, rest: int, group: int, bits: int, block: int) -> tuple:
+def group_launch(c: int, n_full: int, rest: int, group: int, bits: int, block: int) -> tuple:
     """``(r_last, split, grid, constants)`` of an encode or decode launch over ``n_full`` groups and
     a last one of ``rest`` tokens, ``c`` channels (``split``: the byte where the last group's words
     start in the codes); cached: it runs for every saved tensor, with the few shapes of one model
     (docs/DESIGN.md, "On a GPU": host time)."""
-    r_last, lay = _layouts(group, rest, bits)
-    bc = _channel_tile(c, lay["R_FULL"])
-    return (r_last, code_bytes(n_full, group, bits, c), (n_full + (rest > 0), _cdiv(c, bc)),
-            dict(BITS=bits, BLOCK=block, GROUP=group, BC=bc, **lay))
+    r_last, lay = _layouts(group, rest, bits, c)
+    return (r_last, code_bytes(n_full, group, bits, c), (n_full + (rest > 0), _cdiv(c, lay["BC"])),
+            dict(BITS=bits, BLOCK=block, GROUP=group, **lay))
 
 
 @functools.lru_cache(maxsize=None)
@@ -262,7 +272,7 @@ def decode_tokens(p) -> torch.Tensor:
     tp = -(-t // block) * block
     n_full, rest = divmod(m * tp, group)
     out = torch.empty(m * t, c, dtype=p.dtype, device=p.packed.device)
-    r_last, split, grid, meta = _grid_and_meta(c, n_full, rest, group, p.bits, block)
+    r_last, split, grid, meta = group_launch(c, n_full, rest, group, p.bits, block)
     top = _top(p.dtype)
     rs = p.row_scale
     launch_kernel("decode", grid, out, t, tp, c, n_full, rest, r_last, p.packed, split,
@@ -295,9 +305,8 @@ def exact_tokens(x3: torch.Tensor, ratio: float, row_scale: torch.Tensor | None 
     work = torch.empty(2 * n + 1, dtype=torch.int32, device=dev)  # the slots, then the scores and a counter
     row_index = torch.empty(k, dtype=torch.int64, device=dev)
     keep = torch.empty(k, dtype=torch.int8, device=dev)
-    bt = 64
-    bc = max(16, min(pow2(c), 2048 // bt))
-    launch_kernel("score", (_cdiv(max(n, k), bt),), x3, *x3.stride(), t, c, n, work, row_index, keep, k,
+    bt, bc = _score_tile(c)
+    launch_kernel("score", score_grid(n, c), x3, *x3.stride(), t, c, n, work, row_index, keep, k,
                   work if row_scale is None else row_scale, BT=bt, BC=bc, ROW_SCALE=row_scale is not None)
     bt = 1024
     launch_kernel("select", (_cdiv(n, bt),), work, n, _cdiv(n, SAMPLE), k, float(ratio), row_index, keep,
@@ -306,11 +315,29 @@ def exact_tokens(x3: torch.Tensor, ratio: float, row_scale: torch.Tensor | None 
     return dict(slot=work, rows=rows, row_index=row_index, row_keep=keep.view(torch.bool))
 
 
+def score_grid(n: int, c: int) -> tuple:
+    """The score kernel's grid for ``n`` tokens of ``c`` channels (its programs also clear the
+    ``k`` exact rows' bookkeeping, ``k <= n``)."""
+    return (_cdiv(n, _score_tile(c)[0]),)
+
+
+def _score_tile(c: int) -> tuple:
+    """The score kernel's ``(tokens, channels)`` per program and loop step: 16 tokens, so that a
+    tensor of 8192 tokens spreads over 512 programs (4 on each of an H200's 132 multiprocessors)."""
+    return 16, max(16, min(pow2(c), TILE // 16))
+
+
 def compile_all(arch: int = 90) -> dict:
     """Compile every kernel for CUDA compute capability ``arch`` (90: H100/H200) without a GPU, in
     the variants the defaults and the other settings give (:data:`COMPILED_VARIANTS`): ``{variant:
     its PTX}``. What the interpreter cannot check (types, layouts, register allocation); raises
     what a GPU's first launch would. Run in a process without ``TRITON_INTERPRET``."""
+    return {variant: kernel.asm["ptx"] for variant, kernel in compile_variants(arch).items()}
+
+
+def compile_variants(arch: int = 90) -> dict:
+    """:func:`compile_all`'s compiled kernels, ``{variant: triton CompiledKernel}`` (its ``asm``:
+    the PTX and the cubin; read by :mod:`hf_division.analysis.gpu_resources`)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -320,7 +347,7 @@ def compile_all(arch: int = 90) -> dict:
         fn = getattr(kernels, name + "_kernel")
         signature = {a: "constexpr" if a in constants else types.get(a, "i32") for a in fn.arg_names}
         src = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
-        out[variant] = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=_OPTIONS.get(name, {})).asm["ptx"]
+        out[variant] = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=_OPTIONS.get(name, {}))
     return out
 
 
@@ -340,13 +367,26 @@ def _score_types(x: str) -> dict:
 
 #: no row scale (the encode's rows kept as they are)
 _NO_RS = dict(ROW_SCALE=False, ROWS_BF16=False)
-#: the defaults' 4-bit groups of 256 tokens with an LFC of 16-token blocks, a ragged last group
-_G4 = dict(BITS=4, BLOCK=16, GROUP=256, BC=64, R_FULL=32, FULL32=True, LAST32=False, RT_FULL=32, RT_LAST=128)
+
+
+def _groups(bits: int, block: int, group: int, rest: int, c: int = 576) -> dict:
+    """The constants an encode or decode launch over groups of ``group`` tokens and a last one of
+    ``rest`` takes at width ``c`` (the SmolLM2 shape's), as the launchers compute them."""
+    return group_launch(c, 1, rest, group, bits, block)[3]
+
+
+#: the defaults' 4-bit groups of 256 tokens with an LFC of 16-token blocks, a ragged last group (bytes)
+_G4 = _groups(4, 16, 256, 250)
 #: gated decoders' activation inputs: 32-token groups, no LFC, at 8 bits
-_G8 = dict(BITS=8, BLOCK=1, GROUP=32, BC=64, R_FULL=8, FULL32=True, LAST32=False, RT_FULL=8, RT_LAST=32)
+_G8 = _groups(8, 1, 32, 30)
 #: 1 and 2 bits, whole last groups
-_G1 = dict(BITS=1, BLOCK=16, GROUP=256, BC=64, R_FULL=8, FULL32=True, LAST32=True, RT_FULL=8, RT_LAST=8)
-_G2 = dict(BITS=2, BLOCK=8, GROUP=256, BC=64, R_FULL=16, FULL32=True, LAST32=True, RT_FULL=16, RT_LAST=16)
+_G1 = _groups(1, 16, 256, 224)
+_G2 = _groups(2, 8, 256, 240)
+_SCORE = dict(zip(("BT", "BC"), _score_tile(576)))
+
+_RMS_REBUILD = {"x_ptr": "*bf16", "w_ptr": "*fp32", "y_ptr": "*fp32", "rstd_ptr": "*fp32", "eps": "fp32"}
+_RMS_GRAD = {"g_ptr": "*fp32", "x_ptr": "*bf16", "rstd_ptr": "*fp32", "w_ptr": "*fp32", "dx_ptr": "*bf16",
+             "dw_ptr": "*fp32"}
 
 #: variant -> (kernel, argument types, constants): what :func:`compile_all` compiles
 COMPILED_VARIANTS = {
@@ -371,16 +411,16 @@ COMPILED_VARIANTS = {
                  dict(HAS_KEEP=True, BC=64)),
     "put_rows all kept": ("put_rows", {"out_ptr": "*fp32", "rows_ptr": "*fp32", "index_ptr": "*i64", "keep_ptr": "*i64"},
                           dict(HAS_KEEP=False, BC=64)),
-    "score": ("score", _score_types("*bf16"), dict(C=576, BT=64, BC=32, ROW_SCALE=False)),
-    "score row-scaled": ("score", _score_types("*fp32"), dict(C=576, BT=64, BC=32, ROW_SCALE=True)),
+    "score": ("score", _score_types("*bf16"), dict(C=576, **_SCORE, ROW_SCALE=False)),
+    "score row-scaled": ("score", _score_types("*fp32"), dict(C=576, **_SCORE, ROW_SCALE=True)),
     "select": ("select", {"work_ptr": "*i32", "index_ptr": "*i64", "keep_ptr": "*i8", "ratio": "fp32"},
                dict(SAMPLE=SAMPLE, BT=1024)),
-    # kernels/triton_norm.py's, at the SmolLM2 shape's width (576: rows of 1024 values, 4 per program)
-    "rms_rebuild": ("rms_rebuild", {"x_ptr": "*bf16", "w_ptr": "*fp32", "y_ptr": "*fp32", "rstd_ptr": "*fp32",
-                                    "eps": "fp32"}, dict(XD=1, YD=3, ROWS=4, BC=1024)),
-    "rms_grad": ("rms_grad", {"g_ptr": "*fp32", "x_ptr": "*bf16", "rstd_ptr": "*fp32", "w_ptr": "*fp32",
-                              "dx_ptr": "*bf16", "dw_ptr": "*fp32"},
-                 dict(NEED_X=True, NEED_W=True, DXD=1, ITERS=4, ROWS=4, BC=1024)),
+    # kernels/triton_norm.py's, at the SmolLM2 shape's width (576: rows of 1024 values, 2 per program;
+    # 8192 rows over 512 programs), and at its widest (rows of 8192, one per program)
+    "rms_rebuild": ("rms_rebuild", _RMS_REBUILD, dict(XD=1, YD=3, ROWS=2, BC=1024)),
+    "rms_rebuild widest": ("rms_rebuild", _RMS_REBUILD, dict(XD=1, YD=3, ROWS=1, BC=8192)),
+    "rms_grad": ("rms_grad", _RMS_GRAD, dict(NEED_X=True, NEED_W=True, DXD=1, ITERS=8, ROWS=2, BC=1024)),
+    "rms_grad widest": ("rms_grad", _RMS_GRAD, dict(NEED_X=True, NEED_W=True, DXD=1, ITERS=8, ROWS=1, BC=8192)),
     # kernels/triton_gated.py's, in bf16 (autocast)
     "silu_mul": ("silu_mul", {"g_ptr": "*bf16", "u_ptr": "*bf16", "h_ptr": "*bf16"}, dict(D=1, BLOCK=1024)),
     "silu_mul_grad": ("silu_mul_grad", {"d_ptr": "*bf16", "g_ptr": "*bf16", "u_ptr": "*bf16", "dg_ptr": "*bf16",

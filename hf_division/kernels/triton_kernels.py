@@ -9,15 +9,16 @@ import triton.language as tl
 
 @triton.jit
 def hash_uniform(idx, seed):
-    """:func:`hf_division.quant.rounding.hash_uniform` on int64 indices (>= 0) and a seed in
-    [0, 2**32): the same 32-bit hash, its products reduced modulo 2**32."""
-    x = (idx + seed) % 4294967296
+    """:func:`hf_division.quant.rounding.hash_uniform` on integer indices (>= 0) and a seed in
+    [0, 2**32): the same 32-bit hash in uint32 arithmetic (sums and products wrap modulo 2**32,
+    shifts are logical), so a GPU keeps one register per value where int64 took two."""
+    x = idx.to(tl.uint32) + seed.to(tl.uint32)
     x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) % 4294967296
+    x = x * 0x7FEB352D
     x = x ^ (x >> 15)
-    x = (x * 0x5BD1E995) % 4294967296
+    x = x * 0x5BD1E995
     x = x ^ (x >> 16)
-    return (((x >> 8) % 16777216).to(tl.float32) + 0.5) * (1.0 / 16777216)
+    return ((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216)
 
 
 @triton.jit
@@ -102,7 +103,7 @@ def block_means(x_ptr, p0, glen, ch, cmask, T, Tp, sm, st, sc, slot_ptr, rs_ptr,
     b = tl.arange(0, NBT)
     ok = b < glen // BLOCK
     acc = tl.full((NBT, ch.shape[0]), 0, tl.float32)
-    for j in tl.static_range(BLOCK):
+    for j in range(BLOCK):
         v, _, _ = load_tokens(x_ptr, p0 + b * BLOCK + j, ok, ch, cmask, T, Tp, sm, st, sc, slot_ptr, rs_ptr,
                               HAS_SLOT, ROW_SCALE)
         acc = acc + v
@@ -127,64 +128,71 @@ def residual(x_ptr, p0, r, ok, ch, cmask, T, Tp, sm, st, sc, slot_ptr, rs_ptr, l
 @triton.jit
 def encode_group(x_ptr, p0, glen, R, word_ptr, g, ch, cmask, T, Tp, C, sm, st, sc, seed, slot_ptr, rows_ptr,
                  rs_ptr, top, lfc_ptr, lo_ptr, scale_ptr, BITS: tl.constexpr, BLOCK: tl.constexpr,
-                 NBT: tl.constexpr, PER: tl.constexpr, RT: tl.constexpr, WORD32: tl.constexpr, LFC: tl.constexpr,
-                 HAS_SEED: tl.constexpr, HAS_SLOT: tl.constexpr, ROW_SCALE: tl.constexpr, ROWS_BF16: tl.constexpr):
+                 NBT: tl.constexpr, PER: tl.constexpr, RT: tl.constexpr, RCH: tl.constexpr, WORD32: tl.constexpr,
+                 LFC: tl.constexpr, HAS_SEED: tl.constexpr, HAS_SLOT: tl.constexpr, ROW_SCALE: tl.constexpr,
+                 ROWS_BF16: tl.constexpr):
     """One group of ``glen`` tokens x the channels ``ch``: block means, range, codes. ROW_SCALE:
     the tokens divided by their row's scale are encoded, and an exact token's row is held as
-    dividing then multiplying rebuilds it (clamped to ``top``, in the rows' dtype)."""
+    dividing then multiplying rebuilds it (clamped to ``top``, in the rows' dtype). The ``R`` rows
+    of words are taken ``RCH`` at a time, in loops the compiler keeps as loops: a tile of the
+    whole group, or an unrolled loop, held more values than a GPU thread has registers
+    (docs/DESIGN.md, "On a GPU": registers)."""
     lfc0 = p0 // BLOCK
     if LFC != 0:
         block_means(x_ptr, p0, glen, ch, cmask, T, Tp, sm, st, sc, slot_ptr, rs_ptr, lfc_ptr, lfc0, C,
                     BLOCK, NBT, LFC, HAS_SLOT, ROW_SCALE)
         tl.debug_barrier()  # the means are read back below by other threads of this program
-    u = tl.arange(0, RT)
     lo = tl.full((ch.shape[0],), float("inf"), tl.float32)
     hi = tl.full((ch.shape[0],), float("-inf"), tl.float32)
-    for i in tl.static_range(PER):
-        r = u + i * R
-        ok = (u < R) & (r < glen)
-        h, _, _ = residual(x_ptr, p0, r, ok, ch, cmask, T, Tp, sm, st, sc, slot_ptr, rs_ptr, lfc_ptr, lfc0, C,
-                           BLOCK, LFC, HAS_SLOT, ROW_SCALE)
-        lo = tl.minimum(lo, tl.min(tl.where(ok[:, None], h, float("inf")), axis=0))
-        hi = tl.maximum(hi, tl.max(tl.where(ok[:, None], h, float("-inf")), axis=0))
+    for u0 in range(0, RT, RCH):
+        u = u0 + tl.arange(0, RCH)
+        for i in range(PER):
+            r = u + i * R
+            ok = (u < R) & (r < glen)
+            h, _, _ = residual(x_ptr, p0, r, ok, ch, cmask, T, Tp, sm, st, sc, slot_ptr, rs_ptr, lfc_ptr, lfc0, C,
+                               BLOCK, LFC, HAS_SLOT, ROW_SCALE)
+            lo = tl.minimum(lo, tl.min(tl.where(ok[:, None], h, float("inf")), axis=0))
+            hi = tl.maximum(hi, tl.max(tl.where(ok[:, None], h, float("-inf")), axis=0))
     levels = (1 << BITS) - 1
     lo = bf16_directed(lo, True)
     scale = bf16_directed((hi - lo) * (1.0 / levels), False)
     inv = tl.where(scale > 0, tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), tl.where(scale > 0, scale, 1.0)), 0.0)
     tl.store(lo_ptr + g * C + ch, lo.to(tl.bfloat16), mask=cmask)
     tl.store(scale_ptr + g * C + ch, scale.to(tl.bfloat16), mask=cmask)
-    word = tl.full((RT, ch.shape[0]), 0, tl.int32)
-    for i in tl.static_range(PER):
-        r = u + i * R
-        ok = (u < R) & (r < glen)
-        h, slot, real = residual(x_ptr, p0, r, ok, ch, cmask, T, Tp, sm, st, sc, slot_ptr, rs_ptr, lfc_ptr, lfc0,
-                                 C, BLOCK, LFC, HAS_SLOT, ROW_SCALE)
-        y = (h - lo[None, :]) * inv[None, :]
-        if HAS_SEED:
-            y = y + hash_uniform((p0 + r).to(tl.int64)[:, None] * C + ch[None, :], seed)
+    for u0 in range(0, RT, RCH):
+        u = u0 + tl.arange(0, RCH)
+        word = tl.full((RCH, ch.shape[0]), 0, tl.int32)
+        for i in range(PER):
+            r = u + i * R
+            ok = (u < R) & (r < glen)
+            h, slot, real = residual(x_ptr, p0, r, ok, ch, cmask, T, Tp, sm, st, sc, slot_ptr, rs_ptr, lfc_ptr,
+                                     lfc0, C, BLOCK, LFC, HAS_SLOT, ROW_SCALE)
+            y = (h - lo[None, :]) * inv[None, :]
+            if HAS_SEED:
+                y = y + hash_uniform((p0 + r).to(tl.uint32)[:, None] * C + ch[None, :], seed)
+            else:
+                y = y + 0.5
+            q = tl.minimum(tl.maximum(y, 0.0), levels * 1.0).to(tl.int32)
+            word = word | (tl.where(ok[:, None], q, 0) << (BITS * i))
+            if HAS_SLOT:  # the exact tokens' rows, as held (once: not from a padded copy)
+                held = ok & real & (slot >= 0)
+                off, tok, _ = token_rows(p0 + r, T, Tp, sm, st)
+                v = tl.load(x_ptr + off[:, None] + ch[None, :] * sc, mask=held[:, None] & cmask[None, :])
+                if ROW_SCALE:
+                    s = tl.load(rs_ptr + tok, mask=held, other=1.0)[:, None] + tl.zeros((RCH, ch.shape[0]), tl.float32)
+                    w = tl.math.div_rn(v.to(tl.float32), s) * s
+                    w = tl.where(top > 0, tl.minimum(tl.maximum(w, -top), top), w)  # top 0: float32, not clamped
+                    if ROWS_BF16:  # to nearest even on the bits, as for the rebuild
+                        w = round_lfc(w, 1)
+                    v = w.to(rows_ptr.dtype.element_ty)
+                tl.store(rows_ptr + (slot >> 1).to(tl.int64)[:, None] * C + ch[None, :], v,
+                         mask=held[:, None] & cmask[None, :])
+        where = u[:, None] * C + ch[None, :]
+        mask = (u < R)[:, None] & cmask[None, :]
+        if WORD32:
+            tl.store(word_ptr + where, word, mask=mask)
         else:
-            y = y + 0.5
-        q = tl.minimum(tl.maximum(y, 0.0), levels * 1.0).to(tl.int32)
-        word = word | (tl.where(ok[:, None], q, 0) << (BITS * i))
-        if HAS_SLOT:  # the exact tokens' rows, as held (once: not from a padded copy)
-            held = ok & real & (slot >= 0)
-            off, tok, _ = token_rows(p0 + r, T, Tp, sm, st)
-            v = tl.load(x_ptr + off[:, None] + ch[None, :] * sc, mask=held[:, None] & cmask[None, :])
-            if ROW_SCALE:
-                s = tl.zeros((RT, ch.shape[0]), tl.float32) + tl.load(rs_ptr + tok, mask=held, other=1.0)[:, None]
-                w = tl.math.div_rn(v.to(tl.float32), s) * s
-                w = tl.where(top > 0, tl.minimum(tl.maximum(w, -top), top), w)  # top 0: float32, not clamped
-                if ROWS_BF16:  # to nearest even on the bits, as for the rebuild
-                    w = round_lfc(w, 1)
-                v = w.to(rows_ptr.dtype.element_ty)
-            tl.store(rows_ptr + (slot >> 1).to(tl.int64)[:, None] * C + ch[None, :], v,
-                     mask=held[:, None] & cmask[None, :])
-    where = u[:, None] * C + ch[None, :]
-    mask = (u < R)[:, None] & cmask[None, :]
-    if WORD32:
-        tl.store(word_ptr + where, word, mask=mask)
-    else:
-        tl.store(word_ptr + where, word.to(tl.uint8), mask=mask)
+            tl.store(word_ptr + where, word.to(tl.uint8), mask=mask)
 
 
 @triton.jit
@@ -192,8 +200,9 @@ def encode_kernel(x_ptr, sm, st, sc, T, Tp, C, n_full, rest, r_last, seed_ptr, s
                   codes_ptr, split, lfc_ptr, lo_ptr, scale_ptr,
                   BITS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, BC: tl.constexpr,
                   R_FULL: tl.constexpr, FULL32: tl.constexpr, LAST32: tl.constexpr,
-                  RT_FULL: tl.constexpr, RT_LAST: tl.constexpr, NBT: tl.constexpr, LFC: tl.constexpr,
-                  HAS_SEED: tl.constexpr, HAS_SLOT: tl.constexpr, ROW_SCALE: tl.constexpr, ROWS_BF16: tl.constexpr):
+                  RT_FULL: tl.constexpr, RT_LAST: tl.constexpr, RCH_FULL: tl.constexpr, RCH_LAST: tl.constexpr,
+                  NBT: tl.constexpr, LFC: tl.constexpr, HAS_SEED: tl.constexpr, HAS_SLOT: tl.constexpr,
+                  ROW_SCALE: tl.constexpr, ROWS_BF16: tl.constexpr):
     """Grid (groups, channel blocks): the full groups, then the last, partial one."""
     g = tl.program_id(0)
     ch = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -206,53 +215,55 @@ def encode_kernel(x_ptr, sm, st, sc, T, Tp, C, n_full, rest, r_last, seed_ptr, s
         encode_group(x_ptr, p0, GROUP, R_FULL, group_words(codes_ptr, g, split, C, R_FULL, FULL32, LAST32, True),
                      g, ch, cmask, T, Tp, C,
                      sm, st, sc, seed, slot_ptr, rows_ptr, rs_ptr, top, lfc_ptr, lo_ptr, scale_ptr, BITS, BLOCK,
-                     NBT, 32 // BITS if FULL32 else 8 // BITS, RT_FULL, FULL32, LFC, HAS_SEED, HAS_SLOT,
+                     NBT, 32 // BITS if FULL32 else 8 // BITS, RT_FULL, RCH_FULL, FULL32, LFC, HAS_SEED, HAS_SLOT,
                      ROW_SCALE, ROWS_BF16)
     else:
         encode_group(x_ptr, p0, rest, r_last, group_words(codes_ptr, g, split, C, R_FULL, FULL32, LAST32, False),
                      g, ch, cmask, T, Tp, C,
                      sm, st, sc, seed, slot_ptr, rows_ptr, rs_ptr, top, lfc_ptr, lo_ptr, scale_ptr, BITS, BLOCK,
-                     NBT, 32 // BITS if LAST32 else 8 // BITS, RT_LAST, LAST32, LFC, HAS_SEED,
+                     NBT, 32 // BITS if LAST32 else 8 // BITS, RT_LAST, RCH_LAST, LAST32, LFC, HAS_SEED,
                      HAS_SLOT, ROW_SCALE, ROWS_BF16)
 
 
 @triton.jit
 def decode_group(out_ptr, p0, glen, R, word_ptr, g, ch, cmask, T, Tp, C, lfc_ptr, lo_ptr, scale_ptr, rs_ptr, top,
-                 BITS: tl.constexpr, BLOCK: tl.constexpr, PER: tl.constexpr, RT: tl.constexpr,
+                 BITS: tl.constexpr, BLOCK: tl.constexpr, PER: tl.constexpr, RT: tl.constexpr, RCH: tl.constexpr,
                  HAS_LFC: tl.constexpr, CLAMP: tl.constexpr, OUT_BF16: tl.constexpr, ROW_SCALE: tl.constexpr):
     """One group's real tokens rebuilt into ``out`` (``(M*T, C)``, its dtype), times their row's
-    scale (ROW_SCALE) before the clamp."""
-    u = tl.arange(0, RT)
-    mask = (u < R)[:, None] & cmask[None, :]
-    word = tl.load(word_ptr + u[:, None] * C + ch[None, :], mask=mask, other=0).to(tl.int32)
+    scale (ROW_SCALE) before the clamp; ``RCH`` rows of words at a time, as :func:`encode_group`."""
     lo = tl.load(lo_ptr + g * C + ch, mask=cmask, other=0.0).to(tl.float32)
     scale = tl.load(scale_ptr + g * C + ch, mask=cmask, other=0.0).to(tl.float32)
-    for i in tl.static_range(PER):
-        r = u + i * R
-        ok = (u < R) & (r < glen)
-        _, tok, real = token_rows(p0 + r, T, Tp, 0, 0)
-        q = ((word >> (BITS * i)) & ((1 << BITS) - 1)).to(tl.float32)
-        base = tl.full((RT, ch.shape[0]), 0, tl.float32) + lo[None, :]
-        if HAS_LFC:
-            where = lfc_ptr + ((p0 + r) // BLOCK).to(tl.int64)[:, None] * C + ch[None, :]
-            base = base + tl.load(where, mask=ok[:, None] & cmask[None, :], other=0.0).to(tl.float32)
-        v = base + q * scale[None, :]
-        if ROW_SCALE:
-            v = v * tl.load(rs_ptr + tok, mask=ok & real, other=1.0)[:, None]
-        if CLAMP:
-            v = tl.minimum(tl.maximum(v, -top), top)
-        if OUT_BF16:  # to nearest even on the bits: the interpreter's own cast truncates
-            v = round_lfc(v, 1)
-        keep = (ok & real)[:, None] & cmask[None, :]
-        tl.store(out_ptr + tok.to(tl.int64)[:, None] * C + ch[None, :], v.to(out_ptr.dtype.element_ty), mask=keep)
+    for u0 in range(0, RT, RCH):
+        u = u0 + tl.arange(0, RCH)
+        mask = (u < R)[:, None] & cmask[None, :]
+        word = tl.load(word_ptr + u[:, None] * C + ch[None, :], mask=mask, other=0).to(tl.int32)
+        for i in range(PER):
+            r = u + i * R
+            ok = (u < R) & (r < glen)
+            _, tok, real = token_rows(p0 + r, T, Tp, 0, 0)
+            q = ((word >> (BITS * i)) & ((1 << BITS) - 1)).to(tl.float32)
+            base = tl.full((RCH, ch.shape[0]), 0, tl.float32) + lo[None, :]
+            if HAS_LFC:
+                where = lfc_ptr + ((p0 + r) // BLOCK).to(tl.int64)[:, None] * C + ch[None, :]
+                base = base + tl.load(where, mask=ok[:, None] & cmask[None, :], other=0.0).to(tl.float32)
+            v = base + q * scale[None, :]
+            if ROW_SCALE:
+                v = v * tl.load(rs_ptr + tok, mask=ok & real, other=1.0)[:, None]
+            if CLAMP:
+                v = tl.minimum(tl.maximum(v, -top), top)
+            if OUT_BF16:  # to nearest even on the bits: the interpreter's own cast truncates
+                v = round_lfc(v, 1)
+            keep = (ok & real)[:, None] & cmask[None, :]
+            tl.store(out_ptr + tok.to(tl.int64)[:, None] * C + ch[None, :], v.to(out_ptr.dtype.element_ty),
+                     mask=keep)
 
 
 @triton.jit
 def decode_kernel(out_ptr, T, Tp, C, n_full, rest, r_last, codes_ptr, split, lfc_ptr, lo_ptr, scale_ptr, rs_ptr,
                   top, BITS: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, BC: tl.constexpr,
                   R_FULL: tl.constexpr, FULL32: tl.constexpr, LAST32: tl.constexpr, RT_FULL: tl.constexpr,
-                  RT_LAST: tl.constexpr, HAS_LFC: tl.constexpr, CLAMP: tl.constexpr, OUT_BF16: tl.constexpr,
-                  ROW_SCALE: tl.constexpr):
+                  RT_LAST: tl.constexpr, RCH_FULL: tl.constexpr, RCH_LAST: tl.constexpr, HAS_LFC: tl.constexpr,
+                  CLAMP: tl.constexpr, OUT_BF16: tl.constexpr, ROW_SCALE: tl.constexpr):
     g = tl.program_id(0)
     ch = tl.program_id(1) * BC + tl.arange(0, BC)
     cmask = ch < C
@@ -261,12 +272,12 @@ def decode_kernel(out_ptr, T, Tp, C, n_full, rest, r_last, codes_ptr, split, lfc
         decode_group(out_ptr, p0, GROUP, R_FULL, group_words(codes_ptr, g, split, C, R_FULL, FULL32, LAST32, True),
                      g, ch, cmask, T, Tp, C,
                      lfc_ptr, lo_ptr, scale_ptr, rs_ptr, top, BITS, BLOCK, 32 // BITS if FULL32 else 8 // BITS,
-                     RT_FULL, HAS_LFC, CLAMP, OUT_BF16, ROW_SCALE)
+                     RT_FULL, RCH_FULL, HAS_LFC, CLAMP, OUT_BF16, ROW_SCALE)
     else:
         decode_group(out_ptr, p0, rest, r_last, group_words(codes_ptr, g, split, C, R_FULL, FULL32, LAST32, False),
                      g, ch, cmask, T, Tp, C, lfc_ptr, lo_ptr, scale_ptr,
-                     rs_ptr, top, BITS, BLOCK, 32 // BITS if LAST32 else 8 // BITS, RT_LAST, HAS_LFC, CLAMP,
-                     OUT_BF16, ROW_SCALE)
+                     rs_ptr, top, BITS, BLOCK, 32 // BITS if LAST32 else 8 // BITS, RT_LAST, RCH_LAST, HAS_LFC,
+                     CLAMP, OUT_BF16, ROW_SCALE)
 
 
 @triton.jit

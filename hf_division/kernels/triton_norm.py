@@ -21,10 +21,13 @@ from hf_division.kernels import triton_codec
 from hf_division.kernels.triton_codec import ROUNDED, pow2
 from hf_division.kernels.switches import switches
 
-#: the widest row the kernels take whole (wider norms keep the torch formula)
-MAX_WIDTH = 16384
-#: values per program's tile: rows of the width rounded up to a power of 2, at least one
-TILE = 4096
+#: the widest row the kernels take whole (wider norms keep the torch formula): a row of 8192 is 32
+#: values a thread of the 8 warps, the most the gradient kernel holds without spilling registers
+#: (docs/DESIGN.md, "On a GPU": registers)
+MAX_WIDTH = 8192
+#: values per program's tile: rows of the width rounded up to a power of 2, at least one; 8 a
+#: thread, which keeps the gradient kernel within 128 registers up to rows of 2048
+TILE = 2048
 #: programs of the gradient kernel at most: each sums its rows' share of the weight gradient, and
 #: the launcher adds the programs' rows (a fixed split, whatever the device)
 PROGRAMS = 512
