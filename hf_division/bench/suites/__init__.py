@@ -31,6 +31,7 @@ SUITES = {
     "attention-backward": ".attention_backward",
     "decoder-parity": ".decoder_parity",
     "shapes": ".shapes",
+    "kernels": ".kernels",
 }
 
 
