@@ -105,6 +105,40 @@ def test_groups_wider_than_a_tile_taken_in_several(bits, block, group, t, c, rou
     assert torch.equal(decompress(compress(x, **kw)), want)
 
 
+#: a child that encodes and scores a (3, 32, 64) view whose rows lie 2**30 + 64 elements apart:
+#: its last row starts past 2**31, where int32 offsets wrap (untouched pages of the 4 GiB storage
+#: are never committed on a CPU)
+_WIDE_CHILD = """
+import sys, torch
+from hf_division.kernels import triton_codec as tc
+from hf_division.compress.backends import EAGER
+dev = sys.argv[1]
+sm = 2**30 + 64
+x = torch.empty(2 * sm + 32 * 64, dtype=torch.bfloat16, device=dev).as_strided((3, 32, 64), (sm, 64, 1))
+g = torch.Generator().manual_seed(0)
+for m in range(3):
+    x[m] = (torch.randn(32, 64, generator=g) * 3).to(torch.bfloat16)
+seed = torch.tensor(12345, dtype=torch.int64, device=dev)
+with tc.on_cpu():
+    ex = tc.exact_tokens(x, 4.0)
+    got = tc.encode_tokens(x, seed, 4, 16, 32, torch.bfloat16)
+ref = EAGER.encode_tokens(x.float(), seed, 4, 16, 32, torch.bfloat16)
+score = ex["slot"][96:192].view(torch.float32)
+print(torch.equal(got.codes, ref.codes), torch.equal(got.lfc.float(), ref.lfc.float()),
+      torch.equal(score, x.float().abs().amax(-1).flatten()))
+"""
+
+
+def test_a_tensor_spanning_past_2_31_elements():
+    """Offsets into the held tensor are int64 (``token_rows``, the score kernel): a view whose
+    last token lies past element 2**31 encodes and scores as the reference (int32 offsets
+    wrapped there and read outside the tensor: a segmentation fault under the interpreter)."""
+    out = subprocess.run([sys.executable, "-c", _WIDE_CHILD, DEV], capture_output=True, text=True,
+                         timeout=CHILD_TIMEOUT_S)
+    assert out.returncode == 0, f"exit {out.returncode}: {out.stderr[-2000:]}"
+    assert out.stdout.split() == ["True", "True", "True"]
+
+
 def test_any_strides_read_in_place():
     """A per-head tensor ``(B, H, T, d)`` stored as ``(B, T, H, d)``: the kernel reads its
     ``(B, T, H*d)`` view with its strides, and a transposed view with its own."""

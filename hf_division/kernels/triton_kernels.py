@@ -68,13 +68,14 @@ def group_words(codes_ptr, g, split, C, R_FULL: tl.constexpr, FULL32: tl.constex
 
 @triton.jit
 def token_rows(p, T, Tp, sm, st):
-    """Padded token ``p`` of the ``(M*Tp)`` run -> (its element offset, its token among the
-    ``M*T``, whether it is a real token): a padded token repeats its row's last."""
+    """Padded token ``p`` of the ``(M*Tp)`` run -> (its element offset, in int64: a tensor may span
+    2**31 elements and more; its token among the ``M*T``; whether it is a real token): a padded
+    token repeats its row's last."""
     m = p // Tp
     t = p - m * Tp
     real = t < T
     t = tl.minimum(t, T - 1)
-    return m * sm + t * st, m * T + t, real
+    return m.to(tl.int64) * sm + t.to(tl.int64) * st, m * T + t, real
 
 
 @triton.jit
@@ -84,7 +85,7 @@ def load_tokens(x_ptr, p, ok, ch, cmask, T, Tp, sm, st, sc, slot_ptr, rs_ptr, HA
     tokens zeroed; and their slots."""
     off, tok, real = token_rows(p, T, Tp, sm, st)
     mask = ok[:, None] & cmask[None, :]
-    v = tl.load(x_ptr + off[:, None] + ch[None, :] * sc, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(x_ptr + off[:, None] + ch.to(tl.int64)[None, :] * sc, mask=mask, other=0.0).to(tl.float32)
     if ROW_SCALE:  # correctly rounded, as torch divides
         s = tl.load(rs_ptr + tok, mask=ok, other=1.0)
         v = tl.math.div_rn(v, tl.zeros_like(v) + s[:, None])
@@ -177,7 +178,7 @@ def encode_group(x_ptr, p0, glen, R, word_ptr, g, ch, cmask, T, Tp, C, sm, st, s
             if HAS_SLOT:  # the exact tokens' rows, as held (once: not from a padded copy)
                 held = ok & real & (slot >= 0)
                 off, tok, _ = token_rows(p0 + r, T, Tp, sm, st)
-                v = tl.load(x_ptr + off[:, None] + ch[None, :] * sc, mask=held[:, None] & cmask[None, :])
+                v = tl.load(x_ptr + off[:, None] + ch.to(tl.int64)[None, :] * sc, mask=held[:, None] & cmask[None, :])
                 if ROW_SCALE:
                     s = tl.load(rs_ptr + tok, mask=held, other=1.0)[:, None] + tl.zeros((RCH, ch.shape[0]), tl.float32)
                     w = tl.math.div_rn(v.to(tl.float32), s) * s
@@ -311,11 +312,12 @@ def score_kernel(x_ptr, sm, st, sc, T, C: tl.constexpr, n, work_ptr, index_ptr, 
     tok = pid * BT + tl.arange(0, BT)
     ok = tok < n
     m = tok // T
-    off = m * sm + (tok - m * T) * st
+    off = m.to(tl.int64) * sm + (tok - m * T).to(tl.int64) * st  # as token_rows: int64
     best = tl.full((BT,), 0, tl.float32)
     for c0 in range(0, C, BC):
         ch = c0 + tl.arange(0, BC)
-        v = tl.load(x_ptr + off[:, None] + ch[None, :] * sc, mask=ok[:, None] & (ch < C)[None, :], other=0.0)
+        v = tl.load(x_ptr + off[:, None] + ch.to(tl.int64)[None, :] * sc, mask=ok[:, None] & (ch < C)[None, :],
+                    other=0.0)
         best = tl.maximum(best, tl.max(tl.abs(v.to(tl.float32)), axis=1))
     if ROW_SCALE:
         best = tl.math.div_rn(best, tl.load(rs_ptr + tok, mask=ok, other=1.0))
