@@ -322,9 +322,13 @@ def score_grid(n: int, c: int) -> tuple:
 
 
 def _score_tile(c: int) -> tuple:
-    """The score kernel's ``(tokens, channels)`` per program and loop step: 16 tokens, so that a
-    tensor of 8192 tokens spreads over 512 programs (4 on each of an H200's 132 multiprocessors)."""
-    return 16, max(16, min(pow2(c), TILE // 16))
+    """The score kernel's ``(tokens, channels)`` per program and loop step: 4 tokens of 256
+    channels or more, so that a tensor of 8192 tokens spreads over 2048 programs, more than an
+    H200's 132 multiprocessors hold at once (``python -m hf_division.bench kernels --step``: its
+    waves); narrower rows, more tokens, so that a tile still holds :data:`TILE` values (8 a thread:
+    16-byte loads of bf16)."""
+    bc = max(16, min(pow2(c), TILE // 4))
+    return max(4, TILE // bc), bc
 
 
 def compile_all(arch: int = 90) -> dict:
