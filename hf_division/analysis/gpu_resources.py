@@ -36,6 +36,8 @@ class Usage:
     stack: int
     shared: int
     instructions: int
+    loads: int = 0  # global loads in the code (LDG)
+    wide_loads: int = 0  # of them, 16 bytes wide (LDG.E.128): aligned, vectorized
 
     def resident(self, sm: dict = SM90) -> int:
         """Programs (thread blocks) of this kernel a multiprocessor holds at once."""
@@ -76,17 +78,29 @@ def count_instructions(sass: str) -> int:
     return len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, flags=re.M))
 
 
+def count_loads(sass: str) -> tuple[int, int]:
+    """Global loads in ``nvdisasm``'s listing, and those of them 16 bytes wide."""
+    loads = re.findall(r"\bLDG(\.[\w.]+)?", sass)
+    return len(loads), sum(".128" in suffix for suffix in loads)
+
+
 def usage(kernel) -> Usage:
     """A Triton ``CompiledKernel``'s :class:`Usage`, from its cubin."""
+    return usage_of(kernel.asm["cubin"], kernel.metadata.num_warps)
+
+
+def usage_of(cubin: bytes, warps: int) -> Usage:
+    """The :class:`Usage` of a kernel compiled to ``cubin`` to run with ``warps`` warps a program."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "kernel.cubin")
         with open(path, "wb") as f:
-            f.write(kernel.asm["cubin"])
+            f.write(cubin)
         res = subprocess.run([_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True, check=True)
         sass = subprocess.run([_tool("nvdisasm"), path], capture_output=True, text=True, check=True)
     r = resource_line(res.stdout)
-    return Usage(warps=kernel.metadata.num_warps, registers=r["registers"], stack=r["stack"] + r["local"],
-                 shared=r["shared"], instructions=count_instructions(sass.stdout))
+    loads, wide = count_loads(sass.stdout)
+    return Usage(warps=warps, registers=r["registers"], stack=r["stack"] + r["local"], shared=r["shared"],
+                 instructions=count_instructions(sass.stdout), loads=loads, wide_loads=wide)
 
 
 def report(arch: int = 90) -> dict:
