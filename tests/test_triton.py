@@ -185,6 +185,21 @@ def test_stochastic_rounding_unbiased_and_within_one_step():
     assert bias.mean() < 0.1 and bias.max() < 0.5
 
 
+@pytest.mark.parametrize("low_bit", [0, 1])
+def test_the_median_found_to_its_last_bit(low_bit):
+    """The select kernel's median is the sample's lower median to the bit: with ``ratio`` 1 and
+    every token but one scoring the median, only the one a unit above it is taken (a median one
+    unit low, its last bit lost, takes as many as there are slots; one unit high, none)."""
+    n = 128
+    med = ((torch.tensor(1.0 + 2**-20).view(torch.int32) & ~1) | low_bit).view(torch.float32)
+    scores = med.repeat(n)
+    scores[77] = (med.view(torch.int32) + 1).view(torch.float32)
+    x = torch.zeros(1, n, 8)
+    x[0, :, 3] = -scores  # max |x| per token is its score
+    got = tc.exact_tokens(x.to(DEV), 1.0)
+    assert (got["slot"][:n].cpu() >= 0).nonzero().flatten().tolist() == [77]
+
+
 def test_exact_tokens_chosen_as_the_reference_chooses_them():
     """Up to :data:`SAMPLE` tokens the median is exact: the same tokens held exact as
     ``split_static``, the same bytes and the same rebuild."""

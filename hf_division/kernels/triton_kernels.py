@@ -341,11 +341,17 @@ def select_kernel(work_ptr, n, stride, k, ratio, index_ptr, keep_ptr, SAMPLE: tl
     s_ok = j < size
     bits = tl.load(score_ptr + (j * stride).to(tl.int64), mask=s_ok, other=0.0).to(tl.int32, bitcast=True)
     want = (size - 1) // 2
+    # two bits a step, highest first (bits 30 to 1, then bit 0 alone; bit 31, the sign, is 0): 16
+    # reductions the program waits for one after another, where one bit a step took 31. The counts
+    # below a candidate grow with it, so the step's digit is how many of its 4 keep <= want, less 1
+    digit = tl.arange(0, 4)
     med = 0
-    for b in tl.static_range(30, -1, -1):
-        trial = med | (1 << b)
-        below = tl.sum((s_ok & (bits < trial)).to(tl.int32), axis=0)
-        med = tl.where(below <= want, trial, med)
+    for sh in tl.static_range(29, 0, -2):
+        trial = med | (digit << sh)
+        below = tl.sum((s_ok[:, None] & (bits[:, None] < trial[None, :])).to(tl.int32), axis=0)
+        med = med | ((tl.sum((below <= want).to(tl.int32), axis=0) - 1) << sh)
+    below = tl.sum((s_ok & (bits < (med | 1))).to(tl.int32), axis=0)
+    med = tl.where(below <= want, med | 1, med)
     threshold = ratio * med.to(tl.float32, bitcast=True)
     tok = tl.program_id(0) * BT + tl.arange(0, BT)
     ok = tok < n
