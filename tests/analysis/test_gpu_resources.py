@@ -101,3 +101,21 @@ def test_a_steps_kernels_as_triton_specializes_them(tmp_path):
     # the tokens of the hidden states, and of k and v per key/value head (3 x 300 of width 64)
     assert set(scores) == {triton_codec.score_grid(300, 576)[0], triton_codec.score_grid(3 * 300, 64)[0]}
     assert "waves" in out.stdout
+
+
+@pytest.mark.skipif(not triton_codec.available(), reason="Triton is not installed (pip install hf-division[test])")
+def test_a_checkpointed_steps_kernels(tmp_path):
+    """``kernels --step --checkpointing``: with Transformers' checkpointing each layer's input is
+    held (at 8 bits, ``checkpoint_bits``) and the final norm's; the binaries hold to the same bars."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    path = tmp_path / "step.json"
+    out = subprocess.run([sys.executable, "-m", "hf_division.bench", "kernels", "--step", "--checkpointing", "--layers",
+                          "2", "--size", "1x300", "--out", str(path)], env=env, capture_output=True, text=True,
+                         timeout=CHILD_TIMEOUT_S,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(path.read_text())
+    binaries, launches = res["binaries"], res["launches"]
+    assert res["checkpointing"] and not any(_below_the_bars(binaries).values()), _below_the_bars(binaries)
+    encodes = [binaries[x["binary"]]["constants"]["BITS"] for x in launches if binaries[x["binary"]]["kernel"] == "encode_kernel"]
+    assert sorted(encodes) == [4, 8, 8]

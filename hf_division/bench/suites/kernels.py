@@ -2,7 +2,8 @@
 GPU": registers).
 
 python -m hf_division.bench kernels [--arch 90] [--out kernels.json]
-python -m hf_division.bench kernels --step [--shape smollm2] [--layers 1] [--size 8x1024] [--out step.json]
+python -m hf_division.bench kernels --step [--shape smollm2] [--layers 1] [--size 8x1024] [--checkpointing]
+    [--out step.json]
 
 Every kernel variant :func:`hf_division.kernels.triton_codec.compile_variants` compiles, for sm_90:
 warps, registers per thread, stack bytes (spilled registers), machine instructions, and the
@@ -10,7 +11,8 @@ programs and warps a multiprocessor holds at once (:mod:`hf_division.analysis.gp
 variants, aligned or not as declared, each branch compiled.
 
 ``--step``: instead, the kernels one training step of the shape (random-init, its widths, ``--layers``
-of its layers, a small vocabulary; bf16 autocast, division's defaults) compiles, each as Triton's
+of its layers, a small vocabulary; bf16 autocast, division's defaults; with Transformers' gradient
+checkpointing too, ``--checkpointing``) compiles, each as Triton's
 dispatch specializes it for the step's own tensors and integers (16-byte alignment, an integer 1
 made a constant), on a simulated sm_90 device (:mod:`hf_division.analysis.simulated_cuda`): the
 binaries a GPU would load for that shape and batch, and each launch's programs against what an
@@ -28,7 +30,6 @@ import torch
 from hf_division.analysis import gpu_resources
 from hf_division.analysis.launches import gpu_path, train_step
 from hf_division.analysis.simulated_cuda import simulated_cuda
-from hf_division.api import apply_division
 from hf_division.bench.suites import cuda as cuda_suite
 from hf_division.bench.suites.common import command_line, suite_parser
 from hf_division.bench.textdata import random_tokens
@@ -36,13 +37,13 @@ from hf_division.config import DivisionConfig
 from hf_division.kernels import triton_codec
 
 
-def step_kernels(shape: str, layers: int, size: tuple[int, int]) -> dict:
+def step_kernels(shape: str, layers: int, size: tuple[int, int], checkpointing: bool = False) -> dict:
     """The module doc's ``--step``: ``binaries``, per kernel binary the step loads, its name,
     constexprs and :class:`~hf_division.analysis.gpu_resources.Usage` row; ``launches``, per
     launch its binary's index and its programs."""
     vocab = 512
     model = cuda_suite.build(shape, "cpu", layers=layers, vocab_size=vocab).train()
-    apply_division(model, DivisionConfig())
+    cuda_suite.set_arm(model, "division + checkpointing" if checkpointing else "division", DivisionConfig())
     batch = random_tokens(vocab, *size, seed=0)
     batch["labels"] = batch["input_ids"]
     with gpu_path(), simulated_cuda(keep=False, grids=True) as launched:
@@ -59,7 +60,8 @@ def step_report(res: dict) -> str:
     resident warps and most instructions; its launches in the step and their programs, in waves
     of what :data:`~hf_division.analysis.gpu_resources.H200_SMS` multiprocessors hold at once."""
     lines = [f"sm_{res['arch']}, Triton {res['triton']}: the kernels one step of {res['shape']} ({res['layers']} "
-             f"layers, {res['size'][0]}x{res['size'][1]} tokens) compiles and launches, by kernel"]
+             f"layers, {res['size'][0]}x{res['size'][1]} tokens{', checkpointing' if res['checkpointing'] else ''}) "
+             "compiles and launches, by kernel"]
     binaries = res["binaries"]
     for name in dict.fromkeys(b["kernel"] for b in binaries):
         rows = [b for b in binaries if b["kernel"] == name]
@@ -90,6 +92,7 @@ def main(argv=None):
     ap.add_argument("--shape", default="smollm2", choices=sorted(cuda_suite.SHAPES), help="--step: the model's shape")
     ap.add_argument("--layers", type=int, default=1, help="--step: layers of the shape built")
     ap.add_argument("--size", type=cuda_suite.parse_size, default=(8, 1024), help="--step: batch x tokens")
+    ap.add_argument("--checkpointing", action="store_true", help="--step: with Transformers' gradient checkpointing")
     ap.add_argument("--out")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     if not triton_codec.available():
@@ -103,8 +106,8 @@ def main(argv=None):
     if args.step:
         if args.arch != 90:
             raise SystemExit("hf-division kernels suite: --step compiles for the simulated device's sm_90 only")
-        res.update(shape=args.shape, layers=args.layers, size=list(args.size),
-                   **step_kernels(args.shape, args.layers, args.size))
+        res.update(shape=args.shape, layers=args.layers, size=list(args.size), checkpointing=args.checkpointing,
+                   **step_kernels(args.shape, args.layers, args.size, args.checkpointing))
         print(step_report(res), flush=True)
     else:
         usage = gpu_resources.report(args.arch)
