@@ -8,7 +8,7 @@ readback, and where the kernels decline.
 """
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from hf_division.analysis.launches import KernelCounter
@@ -66,8 +66,10 @@ def _check_against_formula(x, w, grad):
     assert fused and not ref_fused
     assert (y.dtype, dx.dtype, dw.dtype) == (y_ref.dtype, dx_ref.dtype, dw_ref.dtype)
     y64, dx64, dw64 = _exact(x, w, grad)
-    # a unit of x's dtype (x_n rounded to it), one of y's (stored), a few float32 units (a GPU's rsqrt)
-    assert ((y.double() - y64).abs() <= (ULP[dtype] + ULP[y.dtype] + 2.0**-20) * y64.abs() + 1e-30).all()
+    # a unit of x's dtype (x_n rounded to it; below its normal range, a unit of its subnormals), one
+    # of y's (stored), a few float32 units (a GPU's rsqrt)
+    subnormal = torch.finfo(dtype).smallest_normal * ULP[dtype] * w.double().abs()
+    assert ((y.double() - y64).abs() <= (ULP[dtype] + ULP[y.dtype] + 2.0**-20) * y64.abs() + subnormal + 1e-30).all()
     rstd = torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + EPS)
     g64, x64, w64 = grad.double().abs(), x.double().abs(), w.double().abs()
     terms = {"x": (g64 * w64 * rstd).norm(), "w": (g64 * x64 * rstd).sum((0, 1)).norm()}
@@ -77,6 +79,9 @@ def _check_against_formula(x, w, grad):
 
 
 @settings(max_examples=30, deadline=None)
+# x_n of about 2e-5 in fp16, below its normal range (found by this test in CI: the bound lacked the
+# subnormals' unit; the kernel's output equals the torch formula's there)
+@example(tokens=7, channels=46, log_scale=1.9375, dtype=torch.float16, own_weight=False, seed=575)
 @given(tokens=st.integers(1, 9), channels=st.integers(1, 70), log_scale=st.floats(-4, 3),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), own_weight=st.booleans(),
        seed=st.integers(0, 2**16))
