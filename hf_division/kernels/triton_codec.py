@@ -305,9 +305,9 @@ def exact_tokens(x3: torch.Tensor, ratio: float, row_scale: torch.Tensor | None 
     work = torch.empty(2 * n + 1, dtype=torch.int32, device=dev)  # the slots, then the scores and a counter
     row_index = torch.empty(k, dtype=torch.int64, device=dev)
     keep = torch.empty(k, dtype=torch.int8, device=dev)
-    bt, bc = _score_tile(c)
-    launch_kernel("score", score_grid(n, c), x3, *x3.stride(), t, c, n, work, row_index, keep, k,
-                  work if row_scale is None else row_scale, BT=bt, BC=bc, ROW_SCALE=row_scale is not None)
+    grid, tile = score_launch(n, c)
+    launch_kernel("score", grid, x3, *x3.stride(), t, c, n, work, row_index, keep, k,
+                  work if row_scale is None else row_scale, **tile, ROW_SCALE=row_scale is not None)
     bt = 1024
     launch_kernel("select", (_cdiv(n, bt),), work, n, _cdiv(n, SAMPLE), k, float(ratio), row_index, keep,
                   SAMPLE=SAMPLE, BT=bt)
@@ -315,20 +315,17 @@ def exact_tokens(x3: torch.Tensor, ratio: float, row_scale: torch.Tensor | None 
     return dict(slot=work, rows=rows, row_index=row_index, row_keep=keep.view(torch.bool))
 
 
-def score_grid(n: int, c: int) -> tuple:
-    """The score kernel's grid for ``n`` tokens of ``c`` channels (its programs also clear the
-    ``k`` exact rows' bookkeeping, ``k <= n``)."""
-    return (_cdiv(n, _score_tile(c)[0]),)
-
-
-def _score_tile(c: int) -> tuple:
-    """The score kernel's ``(tokens, channels)`` per program and loop step: 4 tokens of 256
-    channels or more, so that a tensor of 8192 tokens spreads over 2048 programs, more than an
-    H200's 132 multiprocessors hold at once (``python -m hf_division.bench kernels --step``: its
-    waves); narrower rows, more tokens, so that a tile still holds :data:`TILE` values (8 a thread:
-    16-byte loads of bf16)."""
+@functools.lru_cache(maxsize=1024)
+def score_launch(n: int, c: int) -> tuple:
+    """``(grid, {"BT": tokens, "BC": channels})`` of the score kernel over ``n`` tokens of ``c``
+    channels (its programs also clear the ``k <= n`` exact rows' bookkeeping); cached, as
+    :func:`group_launch`. A program takes 4 tokens of 256 channels or more, so that a tensor of
+    8192 tokens spreads over 2048 programs, more than an H200's 132 multiprocessors hold at once
+    (``python -m hf_division.bench kernels --step``: its waves); narrower rows, more tokens, so that
+    a tile still holds :data:`TILE` values (8 a thread: 16-byte loads of bf16)."""
     bc = max(16, min(pow2(c), TILE // 4))
-    return max(4, TILE // bc), bc
+    bt = max(4, TILE // bc)
+    return (_cdiv(n, bt),), dict(BT=bt, BC=bc)
 
 
 def compile_all(arch: int = 90) -> dict:
@@ -386,7 +383,7 @@ _G8 = _groups(8, 1, 32, 30)
 #: 1 and 2 bits, whole last groups
 _G1 = _groups(1, 16, 256, 224)
 _G2 = _groups(2, 8, 256, 240)
-_SCORE = dict(zip(("BT", "BC"), _score_tile(576)))
+_SCORE = score_launch(8192, 576)[1]
 
 _RMS_REBUILD = {"x_ptr": "*bf16", "w_ptr": "*fp32", "y_ptr": "*fp32", "rstd_ptr": "*fp32", "eps": "fp32"}
 _RMS_GRAD = {"g_ptr": "*fp32", "x_ptr": "*bf16", "rstd_ptr": "*fp32", "w_ptr": "*fp32", "dx_ptr": "*bf16",

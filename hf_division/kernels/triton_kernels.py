@@ -136,7 +136,7 @@ def encode_group(x_ptr, p0, glen, R, word_ptr, g, ch, cmask, T, Tp, C, sm, st, s
     the tokens divided by their row's scale are encoded, and an exact token's row is held as
     dividing then multiplying rebuilds it (clamped to ``top``, in the rows' dtype). The ``R`` rows
     of words are taken ``RCH`` at a time, in loops the compiler keeps as loops: a tile of the
-    whole group, or an unrolled loop, held more values than a GPU thread has registers
+    whole group, or an unrolled loop, would hold more values than a GPU thread has registers
     (docs/DESIGN.md, "On a GPU": registers)."""
     lfc0 = p0 // BLOCK
     if LFC != 0:

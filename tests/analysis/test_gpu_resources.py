@@ -21,6 +21,18 @@ MIN_RESIDENT_WARPS = 8
 MAX_INSTRUCTIONS = 20000
 
 
+def _suite(tmp_path, *args) -> tuple[dict, str]:
+    """``python -m hf_division.bench kernels *args`` in a process without the interpreter (the
+    kernels compile, as a GPU's first launch compiles them): its JSON and its printed report."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    path = tmp_path / "kernels.json"
+    out = subprocess.run([sys.executable, "-m", "hf_division.bench", "kernels", *args, "--out", str(path)], env=env,
+                         capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(path.read_text()), out.stdout
+
+
 @pytest.mark.parametrize("registers,warps,shared,blocks", [
     (255, 4, 1024, 2),  # 255 -> 256 a thread, 8192 a warp, 32768 a block: two blocks' registers
     (128, 4, 1024, 4),
@@ -52,17 +64,11 @@ def test_every_kernel_compiles_for_an_h200_without_spilling(tmp_path):
     """``python -m hf_division.bench kernels`` (a process without the interpreter, compiling as a
     GPU's first launch does): each variant's cubin for sm_90 has no stack (spilled registers), at
     least :data:`MIN_RESIDENT_WARPS` resident warps and at most :data:`MAX_INSTRUCTIONS`."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    path = tmp_path / "kernels.json"
-    out = subprocess.run([sys.executable, "-m", "hf_division.bench", "kernels", "--out", str(path)], env=env,
-                         capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(path.read_text())
+    res, out = _suite(tmp_path)
     rows = res["variants"]
     assert set(rows) == set(triton_codec.COMPILED_VARIANTS) and res["arch"] == 90
     assert not any(_below_the_bars(list(rows.values())).values()), _below_the_bars(list(rows.values()))
-    assert "warps/SM" in out.stdout
+    assert "warps/SM" in out
 
 
 def _below_the_bars(rows: list) -> dict:
@@ -76,13 +82,7 @@ def test_a_steps_kernels_as_triton_specializes_them(tmp_path):
     """``kernels --step``: the binaries one SmolLM2-shaped layer's step loads (each specialized for
     the step's own tensors, on the simulated sm_90 device) hold to the same bars, every kernel of
     the GPU's path among them, and each launch's programs as its launcher computes them."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    path = tmp_path / "step.json"
-    out = subprocess.run([sys.executable, "-m", "hf_division.bench", "kernels", "--step", "--size", "1x300",
-                          "--out", str(path)], env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(path.read_text())
+    res, out = _suite(tmp_path, "--step", "--size", "1x300")
     binaries, launches = res["binaries"], res["launches"]
     assert not any(_below_the_bars(binaries).values()), _below_the_bars(binaries)
     # the held tensors' loads are 16 bytes wide where Triton specializes for their alignment
@@ -99,22 +99,15 @@ def test_a_steps_kernels_as_triton_specializes_them(tmp_path):
                      "silu_mul_grad_kernel": 1}
     scores = [x["programs"] for x in launches if binaries[x["binary"]]["kernel"] == "score_kernel"]
     # the tokens of the hidden states, and of k and v per key/value head (3 x 300 of width 64)
-    assert set(scores) == {triton_codec.score_grid(300, 576)[0], triton_codec.score_grid(3 * 300, 64)[0]}
-    assert "waves" in out.stdout
+    assert set(scores) == {triton_codec.score_launch(300, 576)[0][0], triton_codec.score_launch(3 * 300, 64)[0][0]}
+    assert "waves" in out
 
 
 @pytest.mark.skipif(not triton_codec.available(), reason="Triton is not installed (pip install hf-division[test])")
 def test_a_checkpointed_steps_kernels(tmp_path):
     """``kernels --step --checkpointing``: with Transformers' checkpointing each layer's input is
     held (at 8 bits, ``checkpoint_bits``) and the final norm's; the binaries hold to the same bars."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    path = tmp_path / "step.json"
-    out = subprocess.run([sys.executable, "-m", "hf_division.bench", "kernels", "--step", "--checkpointing", "--layers",
-                          "2", "--size", "1x300", "--out", str(path)], env=env, capture_output=True, text=True,
-                         timeout=CHILD_TIMEOUT_S,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(path.read_text())
+    res, _ = _suite(tmp_path, "--step", "--checkpointing", "--layers", "2", "--size", "1x300")
     binaries, launches = res["binaries"], res["launches"]
     assert res["checkpointing"] and not any(_below_the_bars(binaries).values()), _below_the_bars(binaries)
     encodes = [binaries[x["binary"]]["constants"]["BITS"] for x in launches if binaries[x["binary"]]["kernel"] == "encode_kernel"]
