@@ -1,5 +1,5 @@
 """ptxas's own account of every Triton kernel variant for sm_90: registers a thread, stack frame and
-spill stores (bytes), from the PTX ``hf_division.kernels.triton_codec.compile_all`` returns.
+spill stores (bytes), from the PTX ``hf_division.kernels.triton_variants.compile_all`` returns.
 
     python scripts/ptxas_report.py [--arch 90]
 
@@ -41,7 +41,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90)
     args = ap.parse_args()
-    from hf_division.kernels.triton_codec import compile_all
+    try:
+        from hf_division.kernels.triton_variants import compile_all
+    except ImportError:  # commits before the variants had a module of their own
+        from hf_division.kernels.triton_codec import compile_all
 
     print(f"{'variant':32s} {'registers':>9s} {'stack B':>8s} {'spill stores B':>14s}")
     for variant, ptx in compile_all(args.arch).items():

@@ -22,6 +22,7 @@ from hf_division.compress.backends import EAGER
 from hf_division.compress.pipeline import compress, decompress
 from hf_division.kernels import configured
 from hf_division.kernels import triton_codec as tc
+from hf_division.kernels.triton_variants import COMPILED_VARIANTS
 from hf_division.quant.exact_tokens import split_static
 
 from conftest import CHILD_TIMEOUT_S, TRITON_MARKS
@@ -446,13 +447,13 @@ def test_kernels_compile_for_an_h200():
     interpreter), with no multiply-add fused where the reference rounds each product: what the
     interpreter cannot check (types, layouts, register allocation)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    code = ("from hf_division.kernels.triton_codec import compile_all\n"
+    code = ("from hf_division.kernels.triton_variants import compile_all\n"
             "ptx = compile_all(90)\n"
-            "print(len(ptx), [v for v, p in ptx.items() if v.startswith(('encode', 'decode')) and 'fma.rn.f32' in p])")
+            "print(len(ptx), [v for v, p in ptx.items() if v.startswith(('encode', 'decode', 'rotary')) and 'fma.rn.f32' in p])")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().splitlines()[-1] == f"{len(tc.COMPILED_VARIANTS)} []"
+    assert out.stdout.strip().splitlines()[-1] == f"{len(COMPILED_VARIANTS)} []"
 
 
 @pytest.mark.parametrize("amp", [None, torch.bfloat16])

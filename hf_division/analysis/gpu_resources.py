@@ -104,8 +104,8 @@ def usage_of(cubin: bytes, warps: int) -> Usage:
 
 
 def report(arch: int = 90) -> dict:
-    """``{variant: Usage}`` for every kernel variant :func:`hf_division.kernels.triton_codec.compile_variants`
+    """``{variant: Usage}`` for every kernel variant :func:`hf_division.kernels.triton_variants.compile_variants`
     compiles."""
-    from hf_division.kernels import triton_codec
+    from hf_division.kernels import triton_variants
 
-    return {variant: usage(kernel) for variant, kernel in triton_codec.compile_variants(arch).items()}
+    return {variant: usage(kernel) for variant, kernel in triton_variants.compile_variants(arch).items()}

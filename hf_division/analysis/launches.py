@@ -27,7 +27,7 @@ NO_KERNEL = frozenset({
 READBACKS = frozenset({"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique2", "equal",
                        "is_nonzero", "repeat_interleave", "masked_scatter", "bincount", "tolist"})
 #: the CPU-only fast paths, off as on a GPU
-GPU_SWITCHES = dict(native=False, native_draws=False, gated_from_codes=False, sdpa_backward=False, rotary=False)
+GPU_SWITCHES = dict(native=False, native_draws=False, gated_from_codes=False, sdpa_backward=False)
 
 
 class KernelCounter(TorchDispatchMode):

@@ -1,19 +1,20 @@
-"""The rotary position embedding of a training forward in one native pass, and its backward in one.
+"""The rotary position embedding of a training forward in one pass, and its backward in one: native
+on the CPU, a Triton kernel where the compressor's Triton kernels run.
 
 Transformers' decoders (Llama, Mistral, Qwen, Gemma, Phi-3) rotate q and k with their modeling
 module's ``apply_rotary_pos_emb(q, k, cos, sin)``: ``x * cos + rotate_half(x) * sin``. Under
 autograd its backward is about eight ATen passes per tensor (two products, the concatenation's two
-slices each written into a zero-filled tensor, a negation, the sums). ``hfd_rotary`` computes the
-same values in one pass each way, product by product and sum by sum as ATen rounds them
-(docs/DESIGN.md, "Mechanism", the rotary embedding); nothing is held for backward but ``cos`` and
-``sin``, which autograd keeps too.
+slices each written into a zero-filled tensor, a negation, the sums). ``hfd_rotary`` (the CPU's) and
+``rotary_kernel`` (Triton's, q and k in one launch) compute the same values in one pass each way,
+product by product and sum by sum as ATen rounds them (docs/DESIGN.md, "Mechanism", the rotary
+embedding; "On a GPU"); nothing is held for backward but ``cos`` and ``sin``, which autograd keeps too.
 
 The function is a module global that the attention's forward looks up, so it cannot be replaced
 per instance: :func:`install` puts a wrapper in its place which runs the original everywhere except
 inside :func:`enabled` (a division-patched attention module's training forward,
 ``patching.patch_rotary``), and :func:`uninstall` puts the original back after its last user. A
-function is taken only if it computes, on probes, exactly what the kernel computes
-(:func:`matches`).
+function is taken only if it computes, on probes, exactly what :func:`reference` (the formula the
+kernels compute) computes (:func:`matches`).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import threading
 
 import torch
 
-from hf_division.kernels import native
+from hf_division.kernels import native, triton_codec, triton_rotary
 from hf_division.autograd.first_order import first_order
 from hf_division.kernels.switches import switches
 
@@ -50,40 +51,68 @@ def enabled():
 
 
 class RotaryFn(torch.autograd.Function):
-    """``apply_rotary_pos_emb(q, k, cos, sin)`` as the kernel computes it, forward and backward."""
+    """``apply_rotary_pos_emb(q, k, cos, sin)`` as the kernels compute it, forward and backward:
+    the native pass on the CPU, Triton's launch where the compressor's Triton kernels run
+    (:mod:`hf_division.kernels.triton_rotary`: q and k in one launch each way)."""
 
     @staticmethod
     def forward(ctx, q, k, cos, sin):
         ctx.save_for_backward(cos, sin)
+        ctx.dtypes, ctx.triton = (q.dtype, k.dtype), triton_rotary.applies(q, k, cos)
+        if ctx.triton:
+            return tuple(triton_rotary.rotate([(q, None), (k, None)], cos, sin, False))
         return native.rotary(q, cos, sin, False), native.rotary(k, cos, sin, False)
 
     @staticmethod
     @first_order
     def backward(ctx, grad_q, grad_k):
         cos, sin = ctx.saved_tensors
-        dq = native.rotary(grad_q, cos, sin, True) if ctx.needs_input_grad[0] else None
-        dk = native.rotary(grad_k, cos, sin, True) if ctx.needs_input_grad[1] else None
+        need = ctx.needs_input_grad[:2]
+        if ctx.triton:
+            wanted = [(g, dtype) for g, dtype, n in zip((grad_q, grad_k), ctx.dtypes, need) if n]
+            got = iter(triton_rotary.rotate(wanted, cos, sin, True) if wanted else ())
+            return (next(got) if need[0] else None), (next(got) if need[1] else None), None, None
+        dq = native.rotary(grad_q, cos, sin, True) if need[0] else None
+        dk = native.rotary(grad_k, cos, sin, True) if need[1] else None
         return dq, dk, None, None
 
 
+def reference(q, k, cos, sin):
+    """Transformers' Llama formula, ``x * cos + rotate_half(x) * sin`` for q and k (``cos`` and
+    ``sin`` unsqueezed at dim 1), written out in torch ops: what a modeling function must compute,
+    and the kernels do, to the bit (:func:`matches`)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def turn(x):
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    return q * cos + turn(q) * sin, k * cos + turn(k) * sin
+
+
 def takes(q, k, cos, sin) -> bool:
-    """Whether :class:`RotaryFn` takes this call: a training forward on the CPU in float32, q and k
-    ``(b, heads, t, e)``, cos and sin ``(b or 1, t, e)`` (``unsqueeze_dim`` 1, the whole head
-    rotated: Phi-3's partial rotary passes a shorter ``cos``), none of them a tensor subclass."""
+    """Whether :class:`RotaryFn` takes this call: a training forward, q and k ``(b, heads, t, e)``,
+    cos and sin ``(b or 1, t, e)`` (``unsqueeze_dim`` 1, the whole head rotated: Phi-3's partial
+    rotary passes a shorter ``cos``) with unit last strides, none of them a tensor subclass; and
+    either Triton's kernel (:func:`hf_division.kernels.triton_rotary.applies`) or, on the CPU in
+    float32, the native one. Where the compressor's Triton kernels run the native one is never taken."""
     if not (switches().rotary and torch.is_grad_enabled()) or torch.compiler.is_compiling():
         return False
     tensors = (q, k, cos, sin)
-    if any(type(t) is not torch.Tensor for t in tensors):
-        return False
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1 for t in tensors):
+    if any(type(t) is not torch.Tensor for t in tensors) or any(t.stride(-1) != 1 for t in tensors):
         return False
     if not (q.requires_grad or k.requires_grad) or cos.requires_grad or sin.requires_grad:
         return False
     if q.dim() != 4 or k.dim() != 4 or cos.dim() != 3 or cos.shape != sin.shape or cos.stride() != sin.stride():
         return False
     b, _, t, e = q.shape
-    return (e % 2 == 0 and k.shape[0] == b and k.shape[2:] == (t, e) and cos.shape[1:] == (t, e)
-            and cos.shape[0] in (1, b) and native.kernels() is not None)
+    if not (e % 2 == 0 and k.shape[0] == b and k.shape[2:] == (t, e) and cos.shape[1:] == (t, e)
+            and cos.shape[0] in (1, b) and sin.dtype == cos.dtype):
+        return False
+    if triton_codec.applies(q.device):
+        return triton_rotary.applies(q, k, cos)
+    return (all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+            and native.kernels() is not None)
 
 
 def _wrap(original):
@@ -98,10 +127,11 @@ def _wrap(original):
 
 
 def matches(fn) -> bool:
-    """Whether ``fn(q, k, cos, sin)`` and its gradients equal the kernel's on probes (checked once
-    per function): transposed q as the attention makes it, grouped k, cos shared by the batch or not."""
+    """Whether ``fn(q, k, cos, sin)`` and its gradients equal :func:`reference`'s on probes
+    (checked once per function): transposed q as the attention makes it, grouped k, cos shared by
+    the batch or not. The kernels' own equality with :func:`reference` is the tests'."""
     if fn not in _checked:
-        _checked[fn] = native.kernels() is not None and _probe(fn)
+        _checked[fn] = _probe(fn)
     return _checked[fn]
 
 
@@ -114,7 +144,7 @@ def _probe(fn) -> bool:
         grads = torch.randn(2, 3, 5, 8, generator=gen), torch.randn(2, 1, 5, 8, generator=gen)
         try:
             with torch.enable_grad():
-                theirs, ours = fn(q, k, cos, sin), RotaryFn.apply(q, k, cos, sin)
+                theirs, ours = fn(q, k, cos, sin), reference(q, k, cos, sin)
                 if not all(torch.equal(a, b) for a, b in zip(theirs, ours, strict=True)):
                     return False
                 expected = torch.autograd.grad(theirs, (q, k), grads)

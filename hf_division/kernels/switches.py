@@ -62,8 +62,13 @@ class Switches:
         "Llama-form RMSNorm's gradient from its formula, its 1/rms kept from the rebuild. Off: the norm rerun "
         "under autograd.")
     rotary: bool = _switch(
-        "The rotary position embedding in one native pass each way in a patched attention's training forward. "
-        "Off: Transformers' own apply_rotary_pos_emb under autograd.")
+        "The rotary position embedding in one pass each way in a patched attention's training forward: native on "
+        "the CPU in float32, Triton's kernel where the compressor's Triton kernels run (see `triton_rotary`). Off: "
+        "Transformers' own apply_rotary_pos_emb under autograd.")
+    triton_rotary: bool = _switch(
+        "The rotary embedding of q and k in one Triton kernel each way where the compressor's Triton kernels run "
+        "(kernels/triton_rotary.py; with `rotary` on). Off: Transformers' apply_rotary_pos_emb under autograd there, "
+        "about 24 kernels a layer.")
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

@@ -10,6 +10,7 @@ import pytest
 
 from hf_division.analysis import gpu_resources as gr
 from hf_division.kernels import triton_codec
+from hf_division.kernels.triton_variants import COMPILED_VARIANTS
 
 from conftest import CHILD_TIMEOUT_S
 
@@ -66,7 +67,7 @@ def test_every_kernel_compiles_for_an_h200_without_spilling(tmp_path):
     least :data:`MIN_RESIDENT_WARPS` resident warps and at most :data:`MAX_INSTRUCTIONS`."""
     res, out = _suite(tmp_path)
     rows = res["variants"]
-    assert set(rows) == set(triton_codec.COMPILED_VARIANTS) and res["arch"] == 90
+    assert set(rows) == set(COMPILED_VARIANTS) and res["arch"] == 90
     assert not any(_below_the_bars(list(rows.values())).values()), _below_the_bars(list(rows.values()))
     assert "warps/SM" in out
 
@@ -86,17 +87,18 @@ def test_a_steps_kernels_as_triton_specializes_them(tmp_path):
     binaries, launches = res["binaries"], res["launches"]
     assert not any(_below_the_bars(binaries).values()), _below_the_bars(binaries)
     # the held tensors' loads are 16 bytes wide where Triton specializes for their alignment
-    for name in ("score_kernel", "encode_kernel", "decode_kernel", "silu_mul_kernel", "rms_grad_kernel"):
+    for name in ("score_kernel", "encode_kernel", "decode_kernel", "silu_mul_kernel", "rms_grad_kernel", "rotary_kernel"):
         assert all(b["wide_loads"] > 0 for b in binaries if b["kernel"] == name), name
     names = {b["kernel"] for b in binaries}
     assert names == {f"{k}_kernel" for k in ("score", "select", "encode", "decode", "put_rows", "rms_rebuild", "rms_grad",
-                                              "silu_mul", "silu_mul_grad")}
+                                              "silu_mul", "silu_mul_grad", "rotary")}
     # per layer 8 saved tensors and the final norm's input: each scored, selected, encoded, decoded, its rows put
-    # back; two norms and the final one rebuilt and differentiated; one gated MLP's product and gradients
+    # back; two norms and the final one rebuilt and differentiated; one gated MLP's product and gradients; the
+    # rotary embedding of q and k, forward and backward
     count = {n: sum(binaries[x["binary"]]["kernel"] == n for x in launches) for n in names}
     assert count == {"score_kernel": 9, "select_kernel": 9, "encode_kernel": 9, "decode_kernel": 9,
                      "put_rows_kernel": 9, "rms_rebuild_kernel": 3, "rms_grad_kernel": 3, "silu_mul_kernel": 1,
-                     "silu_mul_grad_kernel": 1}
+                     "silu_mul_grad_kernel": 1, "rotary_kernel": 2}
     scores = [x["programs"] for x in launches if binaries[x["binary"]]["kernel"] == "score_kernel"]
     # the tokens of the hidden states, and of k and v per key/value head (3 x 300 of width 64)
     assert set(scores) == {triton_codec.score_launch(300, 576)[0][0], triton_codec.score_launch(3 * 300, 64)[0][0]}

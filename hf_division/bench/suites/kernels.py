@@ -5,7 +5,7 @@ python -m hf_division.bench kernels [--arch 90] [--out kernels.json]
 python -m hf_division.bench kernels --step [--shape smollm2] [--layers 1] [--size 8x1024] [--checkpointing]
     [--out step.json]
 
-Every kernel variant :func:`hf_division.kernels.triton_codec.compile_variants` compiles, for sm_90:
+Every kernel variant :func:`hf_division.kernels.triton_variants.compile_variants` compiles, for sm_90:
 warps, registers per thread, stack bytes (spilled registers), machine instructions, and the
 programs and warps a multiprocessor holds at once (:mod:`hf_division.analysis.gpu_resources`): fixed
 variants, aligned or not as declared, each branch compiled.
