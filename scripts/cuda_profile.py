@@ -3,8 +3,9 @@
 OUT=dir python scripts/cuda_profile.py                 (PROBE_DEV=cpu: a tiny model on the CPU, to check the script)
 OUT=dir ARMS="none division" SHAPE=llama-1b SIZE=4x2048 python scripts/cuda_profile.py
     (arms: none, division, division-triton: division with every Triton launch through Triton's dispatch,
-    the triton_launch switch off; division-unfused: the RMSNorms' rebuild and gradient and the gated MLPs'
-    product and gradients in torch ops, the triton_rms_norm and triton_gated switches off; checkpointing,
+    the triton_launch switch off; division-unfused: the RMSNorms' rebuild and gradient, the gated MLPs'
+    product and gradients and the rotary embedding in torch ops, the triton_rms_norm, triton_gated and
+    triton_rotary switches off; checkpointing,
     division+checkpointing)
 
 A random-init model of ``SHAPE``'s shape (``hf_division.bench.suites.cuda.build``; default SmolLM2-135M's,
@@ -34,9 +35,9 @@ B, T = parse_size(os.environ.get("SIZE", "8x1024" if DEV == "cuda" else "2x64"))
 ARMS = os.environ.get("ARMS", "none division division-triton division-unfused division+checkpointing").split()
 #: arms that are division with fast paths off: the switches they turn off
 SWITCHED = {"division-triton": {"triton_launch": False},
-            "division-unfused": {"triton_rms_norm": False, "triton_gated": False}}
+            "division-unfused": {"triton_rms_norm": False, "triton_gated": False, "triton_rotary": False}}
 #: the fast paths' switches each arm's profile records as it ran
-RECORDED = ("triton_launch", "triton_rms_norm", "triton_gated")
+RECORDED = ("triton_launch", "triton_rms_norm", "triton_gated", "triton_rotary")
 
 
 def profiled(step) -> dict:

@@ -35,17 +35,17 @@ if [ "$LAUNCHER_TEST" != 0 ]; then
   CUDA_TESTS+=(-k "not kept_kernels")  # already reported: -x would stop the rest at it
   echo "the launcher's test did not pass: HF_DIVISION_TRITON_LAUNCH=0 from here" | tee -a "$OUT/test_launcher.txt"
 fi
-# 0b. the RMSNorm's and the gated MLP's Triton kernels (hf_division/kernels/triton_norm.py, triton_gated.py)
-#     against torch's ops on the device (not the property test: each of its widths is a compile), where
-#     they fail, everything after runs with torch's ops
-timeout 90 python -m pytest -q tests/kernels/test_triton_norm.py tests/kernels/test_triton_gated.py \
-  -k "not no_further_than" 2>&1 | tail -5 \
+# 0b. the RMSNorm's, the gated MLP's and the rotary embedding's Triton kernels (hf_division/kernels/triton_norm.py,
+#     triton_gated.py, triton_rotary.py) against torch's ops on the device (not the property tests: each of their
+#     widths is a compile), where they fail, everything after runs with torch's ops
+timeout 120 python -m pytest -q tests/kernels/test_triton_norm.py tests/kernels/test_triton_gated.py \
+  tests/kernels/test_triton_rotary.py -k "not no_further_than and not transformers_to_the_bit" 2>&1 | tail -5 \
   | tee "$OUT/test_fused.txt"
 FUSED_TEST=${PIPESTATUS[0]}
 if [ "$FUSED_TEST" != 0 ]; then
-  export HF_DIVISION_TRITON_RMS_NORM=0 HF_DIVISION_TRITON_GATED=0
-  echo "the fused kernels' tests did not pass: HF_DIVISION_TRITON_RMS_NORM=0 HF_DIVISION_TRITON_GATED=0 from here" \
-    | tee -a "$OUT/test_fused.txt"
+  export HF_DIVISION_TRITON_RMS_NORM=0 HF_DIVISION_TRITON_GATED=0 HF_DIVISION_TRITON_ROTARY=0
+  echo "the fused kernels' tests did not pass: HF_DIVISION_TRITON_RMS_NORM=0 HF_DIVISION_TRITON_GATED=0" \
+    "HF_DIVISION_TRITON_ROTARY=0 from here" | tee -a "$OUT/test_fused.txt"
 fi
 # 1. correctness on the device: the kernels' codes, no host sync, a CUDA-graph step, and the suite's smoke
 timeout 120 python -m pytest -q -x "${CUDA_TESTS[@]}" 2>&1 | tail -25 | tee "$OUT/test_cuda.txt"

@@ -145,7 +145,7 @@ def test_gpu_session_scripts_run_on_cpu(tmp_path):
     res = json.loads((tmp_path / "profile.json").read_text())
     assert res["shape"] == "tiny" and list(res["arms"]) == ["none", "division", "division-triton", "division-unfused"]
     assert res["arms"]["division-unfused"]["switches"] == {"triton_launch": True, "triton_rms_norm": False,
-                                                           "triton_gated": False}
+                                                           "triton_gated": False, "triton_rotary": False}
     assert res["arms"]["division-triton"]["switches"]["triton_launch"] is False
     none, division = res["arms"]["none"], res["arms"]["division"]
     assert 0 < none["aten_calls"] < division["aten_calls"] and division["step_ms"] > 0
@@ -315,8 +315,8 @@ def test_dispatch_suite_times_tritons_launch_path(tmp_path):
                for arm in ("none", "division", "division-triton", "division-unfused"))
     assert steps["division"]["triton_launches"] == steps["division-triton"]["triton_launches"] > 0
     # the layer's two norms and the final one, a rebuild and a gradient kernel each; the layer's gated
-    # MLP, a product and a gradient kernel; or none of them
-    assert steps["division"]["triton_launches"] - steps["division-unfused"]["triton_launches"] == 2 * 3 + 2
+    # MLP, a product and a gradient kernel; its rotary embedding, one kernel each way; or none of them
+    assert steps["division"]["triton_launches"] - steps["division-unfused"]["triton_launches"] == 2 * 3 + 2 + 2
     assert {way: t["launches"] for way, t in tensor.items()} == {"division": 5, "division-triton": 5}
     assert "saved a launch" in done.stdout
 

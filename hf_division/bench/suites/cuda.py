@@ -21,6 +21,10 @@ gradient cosine to ``none``'s, the minimum over ``--draws`` noise draws; the Tri
 ``--compiled``: where the Triton kernels do not apply (flat groups), the compressor's torch kernels
 through ``torch.compile``; without it they run eagerly, which needs no compilation. ``--quick``:
 one shape at its size, 3 rounds, 1 draw (under 3 minutes on an H200).
+Then, unless ``--no-graphs``, ``none+graph`` and ``division+graph``: the step captured in a CUDA
+graph and replayed (:func:`captured`), which takes the host's Python out of the step: where the
+unpatched eager step waits for its host (a small model), these two say what the GPU itself spends,
+their replays interleaved with each other (after the eager arms, whose memory is freed first).
 ``--budget-s``: skip what is left once the run has taken this long. Results are written to
 ``--out`` after every measurement, so a run stopped early keeps what it measured.
 """
@@ -110,8 +114,9 @@ def arms(model, device: str) -> tuple[str, ...]:
 
 
 def measure(model, batch: dict, amp, rounds: int, device: str, draws: int = 1,
-            config: DivisionConfig | None = None) -> dict:
-    """Every figure of the module doc for the arms on one batch."""
+            config: DivisionConfig | None = None, graphs: bool = False) -> dict:
+    """Every figure of the module doc for the arms on one batch; ``graphs``: and
+    :func:`measure_graphs`' after them."""
     model.train()
     step = step_fn(model, batch, amp, device)
     names = arms(model, device)
@@ -140,6 +145,77 @@ def measure(model, batch: dict, amp, rounds: int, device: str, draws: int = 1,
     for arm, s in interleaved_medians(list(names), seconds, rounds).items():
         out[arm]["step_s"] = s
     set_arm(model, "none")
+    if graphs:
+        out.update(measure_graphs(model, batch, amp, rounds, device, exact, config))
+    return out
+
+
+#: the arms also timed as a step captured in a CUDA graph and replayed
+GRAPH_ARMS = ("none", "division")
+
+
+def captured(model, batch: dict, amp, device: str):
+    """``(replay, grads)``: one training step of ``model`` as it is patched now, captured in a CUDA
+    graph (PyTorch's whole-network capture: warm-up steps on a side stream, autocast's cast cache
+    off, division's noise generators registered so that each replay draws new noise: docs/GUIDE.md,
+    "On a GPU"), and the gradients each replay writes, in ``named_parameters`` order."""
+    from hf_division.compress.noise import generators
+
+    params = [p for _, p in model.named_parameters() if p.requires_grad]
+
+    def forward_backward():
+        with torch.autocast(device, dtype=amp or torch.bfloat16, enabled=amp is not None, cache_enabled=False):
+            loss = model(**batch).loss
+        loss.backward()
+
+    def step():
+        for p in params:
+            p.grad.zero_()
+        forward_backward()
+
+    model.zero_grad(set_to_none=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward_backward()  # the gradients allocated, the kernels compiled, the generators made
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    for gen in generators(device):
+        graph.register_generator_state(gen)
+    with torch.cuda.graph(graph):
+        step()
+    return graph.replay, [p.grad for p in params]
+
+
+def measure_graphs(model, batch: dict, amp, rounds: int, device: str, exact: torch.Tensor,
+                   config: DivisionConfig | None = None) -> dict:
+    """Per arm of :data:`GRAPH_ARMS`, as ``<arm>+graph``: the capture's seconds (warm-up steps
+    included), the peak above the memory before it (the graph's pool), the gradient cosine of a
+    replay to ``exact``, and the median replay seconds, the arms' replays interleaved (at least 10 rounds). Where a
+    capture fails, its error instead: the eager arms' figures stand."""
+    out, replays = {}, {}
+    for arm in GRAPH_ARMS:
+        set_arm(model, arm, config)
+        name = f"{arm}+graph"
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before, t0 = torch.cuda.memory_allocated(), time.perf_counter()
+        try:
+            replay, grads = captured(model, batch, amp, device)
+            replay()
+            torch.cuda.synchronize()
+        except Exception as err:  # noqa: BLE001 - any failure to capture is this arm's result, not the run's
+            out[name] = {"error": f"{type(err).__name__}: {err}"[:1000]}
+            continue
+        got = torch.cat([g.flatten().double() for g in grads])
+        out[name] = {"capture_s": time.perf_counter() - t0, "cosine": cosine(exact, got),
+                     "peak_mib": (torch.cuda.max_memory_allocated() - before) / 2**20}
+        replays[name] = replay
+    for name, s in interleaved_medians(list(replays), lambda n: timed(replays[n], device), max(rounds, 10)).items():
+        out[name]["step_s"] = s
+    set_arm(model, "none")
     return out
 
 
@@ -148,6 +224,11 @@ def report(shape: str, size: tuple, res: dict) -> str:
     lines = [f"{shape} {size[0]}x{size[1]}: arm | held MiB (fewer) | peak MiB | first step s | step s (x none) | "
              f"cosine (min) | triton launches"]
     for arm, r in res.items():
+        if "graph" in arm:
+            lines.append(f"  {arm:24s} " + (r["error"] if "error" in r else
+                         f"replay {r['step_s']:.4f} s ({r['step_s'] / base['step_s']:.2f}x none eager), capture "
+                         f"{r['capture_s']:.2f} s, peak {r['peak_mib']:.0f} MiB, cosine {r['cosine']:.5f}"))
+            continue
         lines.append(f"  {arm:24s} {r['held_mib']:9.0f} ({base['held_mib'] / r['held_mib']:.1f}x) "
                      f"{r['peak_mib']:9.0f} {r['first_step_s']:7.2f} {r['step_s']:.4f} "
                      f"({r['step_s'] / base['step_s']:.2f}x) {r['cosine']:.5f} {r['triton_launches']}")
@@ -173,6 +254,8 @@ def main(argv=None):
     ap.add_argument("--set", type=json.loads, default={},
                     help="DivisionConfig fields of the division arms as JSON, e.g. '{\"linear_group_size\": 32}'")
     ap.add_argument("--compiled", action="store_true", help="compressor kernels through torch.compile")
+    ap.add_argument("--no-graphs", dest="graphs", action="store_false",
+                    help="leave out the arms captured in a CUDA graph (none+graph, division+graph)")
     ap.add_argument("--budget-s", type=float, default=float("inf"))
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: the test's smoke run
     ap.add_argument("--out")
@@ -200,7 +283,7 @@ def run(args, argv) -> list[dict]:
         batch = {k: v.to(args.device) for k, v in random_tokens(model.config.vocab_size, *size, seed=0).items()}
         batch["labels"] = batch["input_ids"]
         res = measure(model, batch, AUTOCAST[args.autocast], args.rounds, args.device, args.draws,
-                      DivisionConfig(**args.set))
+                      DivisionConfig(**args.set), graphs=args.graphs and args.device == "cuda")
         rows.append({"shape": shape, "batch": size[0], "seq": size[1], "arms": res})
         print(report(shape, size, res), flush=True)
         if args.out:

@@ -13,10 +13,11 @@ The shape's depth and layers at the ``launches`` suite's narrow width
 (:data:`~hf_division.bench.suites.launches.HOST_WIDTH`, its ``min_numel``), one training step per
 round, arms interleaved: ``none``; ``division``, its kernels launched again through
 :mod:`hf_division.kernels.launcher`; ``division-triton``, every launch through Triton's dispatch
-(the ``triton_launch`` switch off); ``division-unfused``, the norms' rebuild and gradient and the
-gated MLPs' product and gradients in torch ops instead of :mod:`hf_division.kernels.triton_norm`'s and
-:mod:`hf_division.kernels.triton_gated`'s kernels (the ``triton_rms_norm`` and ``triton_gated``
-switches off). Also the host's microseconds to compress and rebuild one bf16 tensor of ``--host-tokens`` x
+(the ``triton_launch`` switch off); ``division-unfused``, the norms' rebuild and gradient, the
+gated MLPs' product and gradients and the rotary embedding in torch ops instead of
+:mod:`hf_division.kernels.triton_norm`'s, :mod:`hf_division.kernels.triton_gated`'s and
+:mod:`hf_division.kernels.triton_rotary`'s kernels (the ``triton_rms_norm``, ``triton_gated`` and
+``triton_rotary`` switches off). Also the host's microseconds to compress and rebuild one bf16 tensor of ``--host-tokens`` x
 the shape's hidden size, through the launcher and through Triton's dispatch, and per launch.
 """
 from __future__ import annotations
@@ -41,7 +42,7 @@ from hf_division.kernels import configured, triton_codec
 
 #: the division arms' switches
 WAYS = {"division": dict(triton_launch=True), "division-triton": dict(triton_launch=False),
-        "division-unfused": dict(triton_rms_norm=False, triton_gated=False)}
+        "division-unfused": dict(triton_rms_norm=False, triton_gated=False, triton_rotary=False)}
 #: the ways a saved tensor's compress and rebuild are timed (the fused kernels' switches do not reach them)
 LAUNCH_WAYS = ("division", "division-triton")
 
