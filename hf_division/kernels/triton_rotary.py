@@ -3,9 +3,10 @@ Triton kernels run (the ``triton_rotary`` switch; docs/DESIGN.md, "On a GPU").
 
 Why: Transformers' ``apply_rotary_pos_emb`` is ``x * cos + rotate_half(x) * sin`` for q and for k.
 On a GPU each op is a kernel launch: five a tensor forward (two products, the negation, the
-concatenation, the sum), about seven backward (two products, the negation, the concatenation's two
-slices written into zero-filled tensors, the sums): about 24 launches a layer, each a pass over
-``(batch, heads, tokens, head_dim)``. Here q and k take one launch forward and one backward,
+concatenation, the sum), ten backward (two products, the negation, the concatenation's two slices
+written into zero-filled tensors, the sums, and under autocast the casts of the bf16 inputs'
+gradients): 30 launches a layer under autocast (docs/RESULTS.md, "Kernel launches"), each a pass
+over ``(batch, heads, tokens, head_dim)``. Here q and k take one launch forward and one backward,
 each element read and written once.
 
 The values are autograd's to the bit: each product and sum rounded where torch's ops round them,

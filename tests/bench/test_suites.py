@@ -10,7 +10,7 @@ import torch
 
 from hf_division.bench import suites
 from hf_division.config import DivisionConfig
-from hf_division.analysis.fidelity import added_variance, gradient_cosine, seed_fidelity
+from hf_division.analysis.fidelity import added_variance, flat_grad, gradient_cosine, seed_fidelity
 from hf_division.analysis.measure import measure_activation_memory
 from hf_division.compress.noise import reseed
 from hf_division.bench.suites.auto_precision import markdown, neighbours
@@ -130,6 +130,48 @@ def test_cuda_suite_smoke_on_cpu(tmp_path):
     assert arms["checkpointing"]["cosine"] > 0.9999 and 0.95 < arms["division"]["cosine"] < 1
     with pytest.raises(SystemExit):
         cuda.main(["--device", "cpu", "--shapes", "tiny", "smollm2", "--sizes", "2x48"])
+
+
+def test_cuda_suites_graph_arms_plumbing_on_cpu(monkeypatch):
+    """The graph arms' bookkeeping without a GPU: the capture stood in by an eager step on the CPU
+    (replay: the step; the gradients: the parameters' own), and a capture that fails recorded as
+    that arm's error while the other arm is still measured and reported."""
+    from hf_division.bench.suites import cuda
+
+    for name in ("synchronize", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a, **k: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a, **k: 3 * 2**20)
+
+    def stand_in(model, batch, amp, device):
+        if any("forward" in m.__dict__ for m in model.modules()):  # patched: division's arm
+            raise RuntimeError("operation not permitted when stream is capturing")
+        params = [p for _, p in model.named_parameters() if p.requires_grad]
+        step = cuda.step_fn(model, batch, amp, device)
+
+        def replay():
+            model.zero_grad(set_to_none=False)
+            with torch.autocast(device, dtype=amp, enabled=amp is not None):
+                model(**batch).loss.backward()
+
+        step()
+        replay()
+        return replay, [p.grad for p in params]
+
+    monkeypatch.setattr(cuda, "captured", stand_in)
+    model = cuda.build("tiny", "cpu")
+    ids = torch.randint(1, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    exact = flat_grad(model, batch, 0, None)
+    res = cuda.measure_graphs(model, batch, None, 2, "cpu", exact)
+    assert set(res) == {"none+graph", "division+graph"}
+    assert res["division+graph"] == {"error": "RuntimeError: operation not permitted when stream is capturing"}
+    assert res["none+graph"]["cosine"] > 1 - 1e-9 and res["none+graph"]["peak_mib"] == 3
+    assert res["none+graph"]["step_s"] > 0 and res["none+graph"]["capture_s"] > 0
+    assert not any("forward" in m.__dict__ for m in model.modules())  # left unpatched
+    lines = cuda.report("tiny", (2, 24), {"none": {"held_mib": 1.0, "peak_mib": 1.0, "first_step_s": 0.1,
+                                                   "step_s": 0.5, "cosine": 1.0, "triton_launches": 0}, **res})
+    assert "operation not permitted" in lines and "replay" in lines
 
 
 def test_gpu_session_scripts_run_on_cpu(tmp_path):
@@ -312,7 +354,7 @@ def test_dispatch_suite_times_tritons_launch_path(tmp_path):
     res = json.loads(out.read_text())
     steps, tensor = res["steps"], res["tensor"]
     assert all(0 < steps[arm]["min"] <= steps[arm]["median"]
-               for arm in ("none", "division", "division-triton", "division-unfused"))
+               for arm in ("none", "division", "division-triton", "division-unfused", "division-kept"))
     assert steps["division"]["triton_launches"] == steps["division-triton"]["triton_launches"] > 0
     # the layer's two norms and the final one, a rebuild and a gradient kernel each; the layer's gated
     # MLP, a product and a gradient kernel; its rotary embedding, one kernel each way; or none of them

@@ -17,7 +17,8 @@ round, arms interleaved: ``none``; ``division``, its kernels launched again thro
 gated MLPs' product and gradients and the rotary embedding in torch ops instead of
 :mod:`hf_division.kernels.triton_norm`'s, :mod:`hf_division.kernels.triton_gated`'s and
 :mod:`hf_division.kernels.triton_rotary`'s kernels (the ``triton_rms_norm``, ``triton_gated`` and
-``triton_rotary`` switches off). Also the host's microseconds to compress and rebuild one bf16 tensor of ``--host-tokens`` x
+``triton_rotary`` switches off); ``division-kept``, division with every saved tensor held as it is (no tensor
+reaches its ``min_numel``): division's Functions and store without the compressor. Also the host's microseconds to compress and rebuild one bf16 tensor of ``--host-tokens`` x
 the shape's hidden size, through the launcher and through Triton's dispatch, and per launch.
 """
 from __future__ import annotations
@@ -43,6 +44,8 @@ from hf_division.kernels import configured, triton_codec
 #: the division arms' switches
 WAYS = {"division": dict(triton_launch=True), "division-triton": dict(triton_launch=False),
         "division-unfused": dict(triton_rms_norm=False, triton_gated=False, triton_rotary=False)}
+#: ``division-kept``'s ``min_numel``: no saved tensor is that large, so each is held as it is
+KEPT_MIN_NUMEL = 2**62
 #: the ways a saved tensor's compress and rebuild are timed (the fused kernels' switches do not reach them)
 LAUNCH_WAYS = ("division", "division-triton")
 
@@ -72,7 +75,9 @@ def steps(shape: str, layers: int | None, size: tuple[int, int], rounds: int, au
     none = cuda_suite.build(shape, "cpu", layers=layers, **HOST_WIDTH).train()
     div = cuda_suite.build(shape, "cpu", layers=layers, **HOST_WIDTH).train()
     apply_division(div, DivisionConfig(min_numel=HOST_MIN_NUMEL))
-    models = {"none": none, **{arm: div for arm in WAYS}}
+    kept = cuda_suite.build(shape, "cpu", layers=layers, **HOST_WIDTH).train()
+    apply_division(kept, DivisionConfig(min_numel=KEPT_MIN_NUMEL))
+    models = {"none": none, **{arm: div for arm in WAYS}, "division-kept": kept}
     batch = random_tokens(HOST_WIDTH["vocab_size"], *size, seed=0)
     batch["labels"] = batch["input_ids"]
     with gpu_path(), simulated_cuda(keep=False) as launched:
@@ -95,7 +100,7 @@ def report(res: dict, size: tuple[int, int], rounds: int) -> str:
     base = s["none"]["median"]
     lines = [f"host per step at hidden {HOST_WIDTH['hidden_size']}, {size[0]}x{size[1]} tokens, Triton's launch path "
              f"simulated ({rounds} steps each, median):"]
-    for arm in ("none", *WAYS):
+    for arm in ("none", *WAYS, "division-kept"):
         lines.append(f"  {arm:20s} {s[arm]['median']:7.1f} ms ({s[arm]['median'] / base:.2f}x none; min {s[arm]['min']:.1f})")
     lines.append("  Triton launches a step: " + ", ".join(f"{arm} {s[arm]['triton_launches']}" for arm in WAYS))
     t = res["tensor"]
