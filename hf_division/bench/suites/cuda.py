@@ -196,6 +196,7 @@ def measure_graphs(model, batch: dict, amp, rounds: int, device: str, exact: tor
     replay to ``exact``, and the median replay seconds, the arms' replays interleaved (at least 10 rounds). Where a
     capture fails, its error instead: the eager arms' figures stand."""
     out, replays = {}, {}
+    torch.cuda.empty_cache()  # the eager arms' cached blocks: each graph takes a pool of its own
     for arm in GRAPH_ARMS:
         set_arm(model, arm, config)
         name = f"{arm}+graph"
