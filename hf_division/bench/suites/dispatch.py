@@ -18,7 +18,9 @@ gated MLPs' product and gradients and the rotary embedding in torch ops instead 
 :mod:`hf_division.kernels.triton_norm`'s, :mod:`hf_division.kernels.triton_gated`'s and
 :mod:`hf_division.kernels.triton_rotary`'s kernels (the ``triton_rms_norm``, ``triton_gated`` and
 ``triton_rotary`` switches off); ``division-kept``, division with every saved tensor held as it is (no tensor
-reaches its ``min_numel``): division's Functions and store without the compressor. Also the host's microseconds to compress and rebuild one bf16 tensor of ``--host-tokens`` x
+reaches its ``min_numel``): division's Functions and store without the compressor;
+``checkpointing`` and ``division+checkpointing``, the cuda suite's arms of those names (Transformers'
+gradient checkpointing, its recomputation unpatched). Also the host's microseconds to compress and rebuild one bf16 tensor of ``--host-tokens`` x
 the shape's hidden size, through the launcher and through Triton's dispatch, and per launch.
 """
 from __future__ import annotations
@@ -44,6 +46,8 @@ from hf_division.kernels import configured, triton_codec
 #: the division arms' switches
 WAYS = {"division": dict(triton_launch=True), "division-triton": dict(triton_launch=False),
         "division-unfused": dict(triton_rms_norm=False, triton_gated=False, triton_rotary=False)}
+#: the arms with Transformers' gradient checkpointing (the cuda suite's, on the stand-in)
+CHECKPOINTED = ("checkpointing", "division+checkpointing")
 #: ``division-kept``'s ``min_numel``: no saved tensor is that large, so each is held as it is
 KEPT_MIN_NUMEL = 2**62
 #: the ways a saved tensor's compress and rebuild are timed (the fused kernels' switches do not reach them)
@@ -77,7 +81,11 @@ def steps(shape: str, layers: int | None, size: tuple[int, int], rounds: int, au
     apply_division(div, DivisionConfig(min_numel=HOST_MIN_NUMEL))
     kept = cuda_suite.build(shape, "cpu", layers=layers, **HOST_WIDTH).train()
     apply_division(kept, DivisionConfig(min_numel=KEPT_MIN_NUMEL))
-    models = {"none": none, **{arm: div for arm in WAYS}, "division-kept": kept}
+    checkpointed = {}
+    for arm in CHECKPOINTED:
+        checkpointed[arm] = cuda_suite.build(shape, "cpu", layers=layers, **HOST_WIDTH).train()
+        cuda_suite.set_arm(checkpointed[arm], arm, DivisionConfig(min_numel=HOST_MIN_NUMEL))
+    models = {"none": none, **{arm: div for arm in WAYS}, "division-kept": kept, **checkpointed}
     batch = random_tokens(HOST_WIDTH["vocab_size"], *size, seed=0)
     batch["labels"] = batch["input_ids"]
     with gpu_path(), simulated_cuda(keep=False) as launched:
@@ -100,7 +108,7 @@ def report(res: dict, size: tuple[int, int], rounds: int) -> str:
     base = s["none"]["median"]
     lines = [f"host per step at hidden {HOST_WIDTH['hidden_size']}, {size[0]}x{size[1]} tokens, Triton's launch path "
              f"simulated ({rounds} steps each, median):"]
-    for arm in ("none", *WAYS, "division-kept"):
+    for arm in ("none", *WAYS, "division-kept", *CHECKPOINTED):
         lines.append(f"  {arm:20s} {s[arm]['median']:7.1f} ms ({s[arm]['median'] / base:.2f}x none; min {s[arm]['min']:.1f})")
     lines.append("  Triton launches a step: " + ", ".join(f"{arm} {s[arm]['triton_launches']}" for arm in WAYS))
     t = res["tensor"]
