@@ -52,6 +52,8 @@ def rotate(pairs: list, cos: torch.Tensor, sin: torch.Tensor, backward: bool) ->
     embeddings, each in ``x``'s dtype promoted with ``cos``'s and laid out as ``x``. Backward:
     ``[(grad, dtype), ...]`` -> the inputs' gradients, each in its input's ``dtype``, laid out as
     the gradient. One launch for up to two tensors; ``cos``, ``sin`` ``(b or 1, t, e)``."""
+    # rows are read with a unit last stride: a gradient broadcast from a sum (every stride 0) is not
+    pairs = [(x if x.stride(-1) == 1 else x.contiguous(), dtype) for x, dtype in pairs]
     outs = []
     for x, dtype in pairs:
         outs.append(torch.empty_like(x, dtype=dtype if backward else _promoted(x.dtype, cos.dtype)))

@@ -158,3 +158,15 @@ def test_a_patched_llama_step_takes_it_on_the_gpus_path():
     assert counts[True].triton - counts[False].triton == 2 * layers
     assert sum(counts[False].ops.values()) - sum(counts[True].ops.values()) == 30 * layers
     assert torch.equal(grads[True], grads[False])
+
+
+def test_a_gradient_broadcast_from_a_sum_is_read_as_its_values():
+    """``out.sum().backward()`` hands the embedding an expanded gradient (every stride 0, the last
+    too): the kernel reads rows with a unit last stride, so such a gradient is made contiguous first."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, cos, sin = _inputs(gen, 2, 3, 1, 9, 16, 1, True, torch.bfloat16, torch.float32)
+    ours = rotary.RotaryFn.apply(q, k, cos, sin)
+    theirs = modeling_llama.apply_rotary_pos_emb(q, k, cos, sin)
+    for a, c in zip(torch.autograd.grad(theirs[0].sum() + theirs[1].sum(), (q, k)),
+                    torch.autograd.grad(ours[0].sum() + ours[1].sum(), (q, k))):
+        assert _same(a, c)
