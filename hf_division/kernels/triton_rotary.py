@@ -53,16 +53,16 @@ def rotate(pairs: list, cos: torch.Tensor, sin: torch.Tensor, backward: bool) ->
     ``[(grad, dtype), ...]`` -> the inputs' gradients, each in its input's ``dtype``, laid out as
     the gradient. One launch for up to two tensors; ``cos``, ``sin`` ``(b or 1, t, e)``."""
     # rows are read with a unit last stride: a gradient broadcast from a sum (every stride 0) is not
-    pairs = [(x if x.stride(-1) == 1 else x.contiguous(), dtype) for x, dtype in pairs]
-    outs = []
-    for x, dtype in pairs:
-        outs.append(torch.empty_like(x, dtype=dtype if backward else _promoted(x.dtype, cos.dtype)))
-    half = pairs[0][0].shape[-1] // 2
+    ins = [x if x.stride(-1) == 1 else x.contiguous() for x, _ in pairs]
+    outs = [torch.empty_like(x, dtype=dtype if backward else _promoted(x.dtype, cos.dtype))
+            for x, (_, dtype) in zip(ins, pairs)]
+    half = ins[0].shape[-1] // 2
     bh = pow2(half)
     rows = max(1, TILE // (2 * bh))
-    (q, qo), (k, ko) = (pairs[0][0], outs[0]), ((pairs[1][0], outs[1]) if len(pairs) > 1 else (pairs[0][0], outs[0]))
+    q, qo = ins[0], outs[0]
+    k, ko = (ins[1], outs[1]) if len(ins) > 1 else (q, qo)  # one tensor: k's share of the programs is none
     rq, pq = _rows(q, rows)
-    rk, pk = _rows(k, rows) if len(pairs) > 1 else (0, 0)
+    rk, pk = _rows(k, rows) if len(ins) > 1 else (0, 0)
     if pq + pk:
         # forward-sense dtypes: the input's, then the output's (backward reads the output's gradient)
         qd, qod = (qo, q) if backward else (q, qo)
