@@ -53,6 +53,30 @@ def tiny_model(model_type: str, attn: str = "eager", seed: int = 0, **kw):
         raise
 
 
+def switched_steps(switch: str, device: str) -> tuple:
+    """The cuda suite's ``tiny`` Llama with division (rounding to nearest) trains one step on the GPU's
+    path under bf16 autocast with the fast path ``switch`` on, then one with it off, after a set-up
+    step: ``(layers, {on: (the flat gradient, the step's KernelCounter)})``. How a layer kernel's
+    test checks that a step takes it, by its launches and against what it replaces."""
+    import hf_division as hd
+    from hf_division.analysis.fidelity import flat_grad
+    from hf_division.analysis.launches import GPU_SWITCHES, KernelCounter
+    from hf_division.bench.suites import cuda as cuda_suite
+    from hf_division.kernels import configured
+
+    model = cuda_suite.build("tiny", device)
+    ids = torch.randint(1, 512, (2, 40), generator=torch.Generator().manual_seed(0)).to(device)
+    batch = {"input_ids": ids, "labels": ids}
+    hd.apply_division(model, hd.DivisionConfig(rounding="nearest"))
+    out = {}
+    with configured(**GPU_SWITCHES):
+        flat_grad(model, batch, 0, torch.bfloat16)  # set-up
+        for on in (True, False):
+            with configured(**{switch: on}), KernelCounter() as counted:
+                out[on] = (flat_grad(model, batch, 0, torch.bfloat16), counted)
+    return model.config.num_hidden_layers, out
+
+
 def eval_before_and_after(model, inputs: dict, change):
     """``(output before, output after change(model))`` of ``model`` in eval mode under ``no_grad``:
     what the promise of an untouched eval forward compares."""

@@ -9,12 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_division.analysis.launches import GPU_SWITCHES, KernelCounter
+from hf_division.analysis.fidelity import cosine
+from hf_division.analysis.launches import KernelCounter
 from hf_division.kernels import configured
 from hf_division.kernels import triton_codec as tc
 from hf_division.kernels import triton_gated
 
-from conftest import TRITON_MARKS, ULP
+from conftest import TRITON_MARKS, ULP, switched_steps
 
 pytestmark = TRITON_MARKS
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -88,21 +89,7 @@ def test_gated_fn_takes_them_on_the_gpus_path():
     """A Llama step on the GPU's path under bf16 autocast: each layer's product and gradients through
     the kernels (two launches a layer more with them than without), the gradient that of torch's ops
     to their rounding (float32 without autocast: tests/test_triton.py's steps)."""
-    amp = torch.bfloat16
-    import hf_division as hd
-    from hf_division.analysis.fidelity import cosine, flat_grad
-    from hf_division.bench.suites import cuda as cuda_suite
-
-    model = cuda_suite.build("tiny", DEV)
-    ids = torch.randint(1, 512, (2, 40), generator=torch.Generator().manual_seed(0)).to(DEV)
-    batch = {"input_ids": ids, "labels": ids}
-    hd.apply_division(model, hd.DivisionConfig(rounding="nearest"))
-    grads, launches = {}, {}
-    with configured(**GPU_SWITCHES):
-        for on in (True, False):
-            with configured(triton_gated=on):
-                before = tc.launches()
-                grads[on] = flat_grad(model, batch, 0, amp)
-                launches[on] = tc.launches() - before
-    assert launches[True] - launches[False] == 2 * model.config.num_hidden_layers
-    assert cosine(grads[True], grads[False]) > 1 - 1e-6
+    layers, steps = switched_steps("triton_gated", DEV)
+    (grads_on, on), (grads_off, off) = steps[True], steps[False]
+    assert on.triton - off.triton == 2 * layers
+    assert cosine(grads_on, grads_off) > 1 - 1e-6

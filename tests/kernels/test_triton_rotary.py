@@ -11,13 +11,13 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from transformers.models.llama import modeling_llama
 
-from hf_division.analysis.launches import GPU_SWITCHES, KernelCounter
+from hf_division.analysis.launches import KernelCounter
 from hf_division.autograd import rotary
 from hf_division.kernels import configured
 from hf_division.kernels import triton_codec as tc
 from hf_division.kernels import triton_rotary
 
-from conftest import TRITON_MARKS
+from conftest import TRITON_MARKS, switched_steps
 
 pytestmark = TRITON_MARKS
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -139,25 +139,11 @@ def test_a_patched_llama_step_takes_it_on_the_gpus_path():
     """A Llama step on the GPU's path under bf16 autocast: one launch a layer each way, 30 torch
     kernels a layer fewer, and the same gradients as Transformers' function under autograd (the
     forward and the backward are its values to the bit)."""
-    import hf_division as hd
-    from hf_division.analysis.fidelity import flat_grad
-    from hf_division.bench.suites import cuda as cuda_suite
-
-    model = cuda_suite.build("tiny", DEV)
-    ids = torch.randint(1, 512, (2, 40), generator=torch.Generator().manual_seed(0)).to(DEV)
-    batch = {"input_ids": ids, "labels": ids}
-    hd.apply_division(model, hd.DivisionConfig(rounding="nearest"))
-    grads, counts = {}, {}
-    with configured(**GPU_SWITCHES):
-        flat_grad(model, batch, 0, torch.bfloat16)  # set-up
-        for on in (True, False):
-            with configured(triton_rotary=on), KernelCounter() as counted:
-                grads[on] = flat_grad(model, batch, 0, torch.bfloat16)
-            counts[on] = counted
-    layers = model.config.num_hidden_layers
-    assert counts[True].triton - counts[False].triton == 2 * layers
-    assert sum(counts[False].ops.values()) - sum(counts[True].ops.values()) == 30 * layers
-    assert torch.equal(grads[True], grads[False])
+    layers, steps = switched_steps("triton_rotary", DEV)
+    (grads_on, on), (grads_off, off) = steps[True], steps[False]
+    assert on.triton - off.triton == 2 * layers
+    assert sum(off.ops.values()) - sum(on.ops.values()) == 30 * layers
+    assert torch.equal(grads_on, grads_off)
 
 
 def test_a_gradient_broadcast_from_a_sum_is_read_as_its_values():

@@ -193,8 +193,8 @@ def measure_graphs(model, batch: dict, amp, rounds: int, device: str, exact: tor
                    config: DivisionConfig | None = None) -> dict:
     """Per arm of :data:`GRAPH_ARMS`, as ``<arm>+graph``: the capture's seconds (warm-up steps
     included), the peak above the memory before it (the graph's pool), the gradient cosine of a
-    replay to ``exact``, and the median replay seconds, the arms' replays interleaved (at least 10 rounds). Where a
-    capture fails, its error instead: the eager arms' figures stand."""
+    replay to ``exact``, and the median replay seconds, the arms' replays interleaved (at least 10
+    rounds). Where a capture fails, its error instead: the eager arms' figures stand."""
     out, replays = {}, {}
     torch.cuda.empty_cache()  # the eager arms' cached blocks: each graph takes a pool of its own
     for arm in GRAPH_ARMS:

@@ -17,11 +17,12 @@ round, arms interleaved: ``none``; ``division``, its kernels launched again thro
 gated MLPs' product and gradients and the rotary embedding in torch ops instead of
 :mod:`hf_division.kernels.triton_norm`'s, :mod:`hf_division.kernels.triton_gated`'s and
 :mod:`hf_division.kernels.triton_rotary`'s kernels (the ``triton_rms_norm``, ``triton_gated`` and
-``triton_rotary`` switches off); ``division-kept``, division with every saved tensor held as it is (no tensor
-reaches its ``min_numel``): division's Functions and store without the compressor;
-``checkpointing`` and ``division+checkpointing``, the cuda suite's arms of those names (Transformers'
-gradient checkpointing, its recomputation unpatched). Also the host's microseconds to compress and rebuild one bf16 tensor of ``--host-tokens`` x
-the shape's hidden size, through the launcher and through Triton's dispatch, and per launch.
+``triton_rotary`` switches off); ``division-kept``, division with every saved tensor held as it
+is (no tensor reaches its ``min_numel``): division's Functions and store without the compressor;
+``checkpointing`` and ``division+checkpointing``, the cuda suite's arms of those names
+(Transformers' gradient checkpointing, its recomputation unpatched). Also the host's microseconds
+to compress and rebuild one bf16 tensor of ``--host-tokens`` x the shape's hidden size, through the
+launcher and through Triton's dispatch, and per launch.
 """
 from __future__ import annotations
 
