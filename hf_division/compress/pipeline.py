@@ -213,8 +213,14 @@ def _as_tokens(x: torch.Tensor, token_dim: int | None) -> tuple[torch.Tensor, La
 def _token_layout(shape: tuple, strides: tuple, token_dim: int) -> tuple[tuple | None, Layout]:
     """:func:`_as_tokens`' permutation (None: the identity) and :class:`Layout` for a tensor of
     ``shape`` and ``strides``; cached: it runs for every saved tensor, with the few shapes and
-    strides of one model (docs/DESIGN.md, "On a GPU": host time)."""
-    perm = tuple(sorted(range(len(shape)), key=lambda d: (-strides[d], d)))
+    strides of one model (docs/DESIGN.md, "On a GPU": host time). A dimension of size 1 sorts as
+    in a contiguous tensor, whatever its stride: its stride is never used to address an element,
+    and a transposed ``(1, B, C)`` (SigLIP's pooling head) came out as ``(1, 1, B*C)``, one token,
+    where its row scales were ``B``."""
+    after = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        after[d] = after[d + 1] * shape[d + 1]
+    perm = tuple(sorted(range(len(shape)), key=lambda d: (-(strides[d] if shape[d] != 1 else after[d]), d)))
     layout = Layout(perm, tuple(shape[d] for d in perm), perm.index(token_dim))
     return (None if perm == tuple(range(len(shape))) else perm), layout
 

@@ -223,6 +223,22 @@ def test_row_scaled_leading_tokens_are_the_divided_tensors(block, lead, ratio):
         assert torch.equal(decompress(fused), rebuilt)
 
 
+@pytest.mark.parametrize("shape, dims", [((1, 3, 64), (0, 1)), ((3, 1, 5, 64), (0, 1)), ((1, 4, 1, 32), (0, 2))])
+def test_row_scaled_size_one_dimensions_with_any_stride(shape, dims):
+    # a transposed (1, B, C) is contiguous to torch (a size-1 dimension's stride addresses nothing):
+    # the native kernels take it, with one row scale per token. Its tokens were laid out as one
+    # (1, 1, B*C) token, and the encode raised (SigLIP's pooling head under min_numel=0, float32)
+    x = torch.randn(shape).transpose(*dims)
+    assert x.is_contiguous() and x.stride() != torch.empty(x.shape).stride()
+    rms = x.pow(2).mean(-1, keepdim=True).sqrt().contiguous()
+    args = dict(bits=4, block_size=16, group_size=64, lfc_dtype=torch.float32, outlier_ratio=3.0)
+    fused = compress_row_scaled(x, rms, generator=torch.Generator().manual_seed(4), **args)
+    plain = compress((x / rms).contiguous(), generator=torch.Generator().manual_seed(4), **args)
+    for a, b in zip(plain.storages(), fused.storages()):
+        assert torch.equal(a, b)
+    assert torch.equal(decompress(fused), decompress(plain) * rms)
+
+
 def test_row_scaled_declines_what_it_cannot_fuse():
     x = torch.randn(2, 40, 64)
     rms = x.pow(2).mean(-1, keepdim=True).sqrt()
