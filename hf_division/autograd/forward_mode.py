@@ -33,6 +33,7 @@ class ForwardMode(TorchFunctionMode):
     def __init__(self, dropout_bits: bool = True):
         super().__init__()
         self.dropout_bits = dropout_bits
+        self.routed = 0  # dropouts routed and casts made derivable under this mode
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -40,10 +41,11 @@ class ForwardMode(TorchFunctionMode):
             bound = dict(zip(("input", "p", "training", "inplace"), args), **kwargs)
             x, p = bound["input"], bound.get("p", 0.5)
             if bound.get("training", True) and not bound.get("inplace", False) and 0 < p < 1 and x.requires_grad:
+                self.routed += 1
                 return DropoutFn.apply(x, p)
         out = func(*args, **kwargs)
-        if func in CASTS and torch.is_grad_enabled():
-            derive_cast(args[0], out)
+        if func in CASTS and torch.is_grad_enabled() and derive_cast(args[0], out):
+            self.routed += 1
         return out
 
 
@@ -78,9 +80,9 @@ def outside(apply: Callable) -> Callable:
 
 
 @bookkeeping
-def derive_cast(x, out) -> None:
+def derive_cast(x, out) -> bool:
     """``out``, ``x`` cast to another floating dtype, becomes derivable from ``x``'s entry where
-    ``x`` is held, so a consumer that keeps ``out`` stores nothing new.
+    ``x`` is held, so a consumer that keeps ``out`` stores nothing new; whether it did.
 
     Why: PEFT casts LoRA's input to the adapter's float32 under bf16 autocast (``_cast_input_dtype``).
     ``lora_A`` of ``down_proj`` then kept a second, 4-bit copy of the gated product that the MLP
@@ -89,7 +91,9 @@ def derive_cast(x, out) -> None:
     if (out is x or not isinstance(x, torch.Tensor) or not isinstance(out, torch.Tensor)
             or not x.is_floating_point() or not out.is_floating_point() or out.dtype == x.dtype
             or out.shape != x.shape or out.device != x.device or lookup(out) is not None):
-        return
+        return False
     parent = lookup(x)
-    if parent is not None:
-        derive(out, (parent,), lambda t, dtype=out.dtype: t.to(dtype))
+    if parent is None:
+        return False
+    derive(out, (parent,), lambda t, dtype=out.dtype: t.to(dtype))
+    return True

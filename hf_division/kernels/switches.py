@@ -69,6 +69,10 @@ class Switches:
         "The rotary embedding of q and k in one Triton kernel each way where the compressor's Triton kernels run "
         "(kernels/triton_rotary.py; with `rotary` on). Off: Transformers' apply_rotary_pos_emb under autograd there, "
         "30 kernels a layer under autocast.")
+    lazy_forward_mode: bool = _switch(
+        "The patched forward's TorchFunctionMode (dropout kept as bits, a cast sharing its input's copy) left out of a "
+        "training forward whose signature's first forward, and every 50th, ran under it with nothing to route "
+        "(patching/primitives.py, patch_root). Off: every training forward runs under it.")
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

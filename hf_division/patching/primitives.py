@@ -10,6 +10,7 @@ replaced in a :class:`PatchState`; :mod:`hf_division.api` owns that state's life
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import warnings
@@ -25,6 +26,7 @@ from hf_division.autograd.layer_norm import layer_norm, takes as layer_norm_take
 from hf_division.autograd.rms_norm import eps_of as rms_norm_eps, rms_norm, takes as rms_norm_takes
 from hf_division.autograd.lm_loss import causal_lm_loss, tag_logits
 from hf_division.compress.noise import model_stream
+from hf_division.kernels.switches import switches
 from hf_division.autograd import rotary
 from hf_division.autograd.forward_mode import ForwardMode
 from hf_division.autograd.ops import CheckpointFn, GatedFn, LinearFn, RecomputeFn
@@ -207,12 +209,43 @@ def patch_root(state: PatchState, model: nn.Module, repatch) -> None:
             if not in_training(self):
                 return orig(*args, **kwargs)
             _refresh(state, self, repatch)
-            with model_stream(self), padding_of(kwargs.get("attention_mask")), ForwardMode(config.dropout_bits):
-                return orig(*args, **kwargs)
+            signature, mode = _forward_mode(state, args, kwargs)
+            with model_stream(self), padding_of(kwargs.get("attention_mask")), mode:
+                out = orig(*args, **kwargs)
+            if signature is not None:
+                state.modes[signature] = state.modes.get(signature, False) or mode.routed > 0
+            return out
 
         return forward
 
     wrap_forward(state, model, make)
+
+
+#: a forward left out of :class:`ForwardMode` runs under it again every this many training forwards
+REPROBE_EVERY = 50
+
+
+def _forward_mode(state: PatchState, args: tuple, kwargs: dict):
+    """``(signature, mode)``: the mode a root's training forward runs under, and the signature to
+    record whether it routed anything under (None: nothing to record).
+
+    Why: the mode's Python handler costs every torch call of the model's own code about a
+    microsecond of host time, about 3,300 calls a forward at SmolLM2's shape, where most models route
+    nothing (no dropout, no cast of a held tensor) and a GPU's step waits for its host (docs/DESIGN.md,
+    "On a GPU"). The first forward of each signature (the arguments given, autocast's and grad mode's
+    state), and every :data:`REPROBE_EVERY`-th, runs under the mode; a signature under which it
+    routed something always does. A forward left out keeps what autograd keeps for a dropout mask or
+    a cast copy: never more than the unpatched model holds."""
+    state.forwards += 1
+    mode = ForwardMode(state.config.dropout_bits)
+    if not isinstance(mode, ForwardMode):  # under torch.compile: a null context
+        return None, mode
+    signature = (len(args), tuple(k for k, v in kwargs.items() if v is not None), torch.is_grad_enabled(),
+                 *[(torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")])
+    if (state.modes.get(signature) is False and state.forwards % REPROBE_EVERY
+            and switches().lazy_forward_mode):
+        return None, contextlib.nullcontext()
+    return signature, mode
 
 
 @torch.compiler.disable
@@ -223,6 +256,7 @@ def _refresh(state: PatchState, model: nn.Module, repatch) -> None:
     then left them in place (``tests/test_compile.py``)."""
     if sum(1 for _ in model.modules()) != state.n_modules or forget_lost(state):
         repatch()
+        state.modes.clear()  # new modules (PEFT's adapters) may cast what the mode would route
 
 
 def patch_checkpointing(state: PatchState, model: nn.Module) -> None:

@@ -27,6 +27,8 @@ class PatchState:
     losses: list = field(default_factory=list)  # models whose ``loss_function`` was set
     rotary: dict = field(default_factory=dict)  # modeling module name -> finalizer that uninstalls its wrapper
     declined: set = field(default_factory=set)  # Linear subclasses left exact, warned about once each
+    modes: dict = field(default_factory=dict)  # a training forward's signature -> whether ForwardMode routed in it
+    forwards: int = 0  # training forwards run by the root
 
 
 def layer_names(model: nn.Module) -> list[str]:

@@ -354,8 +354,9 @@ def test_dispatch_suite_times_tritons_launch_path(tmp_path):
     res = json.loads(out.read_text())
     steps, tensor = res["steps"], res["tensor"]
     assert all(0 < steps[arm]["min"] <= steps[arm]["median"]
-               for arm in ("none", "division", "division-triton", "division-unfused", "division-kept", "checkpointing",
-                           "division+checkpointing"))
+               for arm in ("none", "division", "division-triton", "division-unfused", "division-mode", "division-kept",
+                           "checkpointing", "division+checkpointing"))
+    assert steps["division-mode"]["triton_launches"] == steps["division"]["triton_launches"]
     assert steps["division"]["triton_launches"] == steps["division-triton"]["triton_launches"] > 0
     # the layer's two norms and the final one, a rebuild and a gradient kernel each; the layer's gated
     # MLP, a product and a gradient kernel; its rotary embedding, one kernel each way; or none of them

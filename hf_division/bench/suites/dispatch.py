@@ -17,7 +17,8 @@ round, arms interleaved: ``none``; ``division``, its kernels launched again thro
 gated MLPs' product and gradients and the rotary embedding in torch ops instead of
 :mod:`hf_division.kernels.triton_norm`'s, :mod:`hf_division.kernels.triton_gated`'s and
 :mod:`hf_division.kernels.triton_rotary`'s kernels (the ``triton_rms_norm``, ``triton_gated`` and
-``triton_rotary`` switches off); ``division-kept``, division with every saved tensor held as it
+``triton_rotary`` switches off); ``division-mode``, every training forward under the patched
+forward's ``TorchFunctionMode`` (the ``lazy_forward_mode`` switch off); ``division-kept``, division with every saved tensor held as it
 is (no tensor reaches its ``min_numel``): division's Functions and store without the compressor;
 ``checkpointing`` and ``division+checkpointing``, the cuda suite's arms of those names
 (Transformers' gradient checkpointing, its recomputation unpatched). Also the host's microseconds
@@ -46,7 +47,8 @@ from hf_division.kernels import configured, triton_codec
 
 #: the division arms' switches
 WAYS = {"division": dict(triton_launch=True), "division-triton": dict(triton_launch=False),
-        "division-unfused": dict(triton_rms_norm=False, triton_gated=False, triton_rotary=False)}
+        "division-unfused": dict(triton_rms_norm=False, triton_gated=False, triton_rotary=False),
+        "division-mode": dict(lazy_forward_mode=False)}
 #: the arms with Transformers' gradient checkpointing (the cuda suite's, on the stand-in)
 CHECKPOINTED = ("checkpointing", "division+checkpointing")
 #: ``division-kept``'s ``min_numel``: no saved tensor is that large, so each is held as it is
