@@ -236,10 +236,10 @@ def _forward_mode(state: PatchState, args: tuple, kwargs: dict):
     state), and every :data:`REPROBE_EVERY`-th, runs under the mode; a signature under which it
     routed something always does. A forward left out keeps what autograd keeps for a dropout mask or
     a cast copy: never more than the unpatched model holds."""
-    state.forwards += 1
     mode = ForwardMode(state.config.dropout_bits)
-    if not isinstance(mode, ForwardMode):  # under torch.compile: a null context
+    if not isinstance(mode, ForwardMode):  # under torch.compile: a null context, nothing counted or guarded on
         return None, mode
+    state.forwards += 1
     signature = (len(args), tuple(k for k, v in kwargs.items() if v is not None), torch.is_grad_enabled(),
                  *[(torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")])
     if (state.modes.get(signature) is False and state.forwards % REPROBE_EVERY
