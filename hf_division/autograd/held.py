@@ -135,6 +135,8 @@ def held_by_forward(module: nn.Module, forward: Callable, *, offload: bool = Fal
                 out = forward()
         finally:
             kept = stop_accounting()
+        # a parameter the store holds by reference (a layer's input) is the model's, as in autograd's saves
+        kept = [(t, kind) for t, kind in kept if t.untyped_storage().data_ptr() not in recorder.params]
         held = _bytes(recorder.saved + kept, device)
     finally:
         recorder.close()

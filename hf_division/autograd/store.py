@@ -263,8 +263,15 @@ def keep(t: torch.Tensor, kind: str, config: DivisionConfig, exact_sign: bool = 
 
 
 def _keep_new(t: torch.Tensor, kind: str, config: DivisionConfig, exact_sign: bool) -> Entry:
-    """:func:`keep` of a tensor not held yet: the entry, registered."""
+    """:func:`keep` of a tensor not held yet: the entry, registered. A leaf that needs a gradient
+    (a parameter fed to a layer as its input: DeBERTa normalizes its relative-position embedding
+    weight in every forward) is held by reference, as autograd holds it: the model holds it anyway,
+    so a compressed copy cost bytes the unpatched model does not hold, and its gradient precision."""
     entry = None
+    if t.is_leaf and t.requires_grad:
+        entry = Entry(kind, packed=Packed.kept(t.detach(), 1, 1))
+        register(t, entry)
+        return entry
     if kind == "norm" and config.norm_row_scale and config.bits(kind):
         entry = _keep_row_scaled(t, kind, config)
     if entry is None:

@@ -43,3 +43,26 @@ def test_row_scales_of_zero_and_nan_rows_are_the_smallest_normal():
     others[[3, 7]] = False
     want = torch.linalg.vector_norm(x[0], dim=-1)[others] * 32 ** -0.5
     assert torch.equal(scale[others], want)
+
+
+def test_a_parameter_fed_to_a_layer_is_held_by_reference():
+    """A leaf needing a gradient kept as a layer's input (DeBERTa's relative-position embedding weight
+    goes through a LayerNorm in every forward) is held as it is, sharing its storage, and counts no
+    bytes held: the model holds it anyway, as autograd's own saves of it are not counted. Compressed,
+    it cost bytes the unpatched model does not hold, and its first forward held more than later ones
+    (tests/model_patches/test_conformance.py, the later forwards' test)."""
+    import hf_division as hd
+    from hf_division.analysis.measure import account
+    from hf_division.bench import tiny_models as tiny
+
+    weight = torch.nn.Parameter(torch.randn(64, 32))
+    entry = store.keep(weight, "norm", DivisionConfig(min_numel=0))
+    assert entry.packed.bits == 0 and entry.packed.packed.data_ptr() == weight.data_ptr()
+    assert store.lookup(weight) is entry and torch.equal(entry.take(), weight)
+    model = tiny.tiny_model("deberta-v2", "eager").train()
+    batch = tiny.tiny_batch(model_type="deberta-v2")
+    hd.apply_division(model, hd.DivisionConfig(min_numel=0))
+    first, second = account(model, batch), account(model, batch)
+    assert first.total == second.total and first.by_kind == second.by_kind
+    rel = model.deberta.encoder.rel_embeddings.weight
+    assert store.lookup(rel).packed.bits == 0

@@ -136,3 +136,22 @@ def test_trainer_three_steps(model_type, tmp_path):
     result = Trainer(model=model, args=args, train_dataset=data).train()
     assert result.global_step == 3 and torch.isfinite(torch.tensor(result.training_loss))
     assert division_config_of(model) is not None
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_later_forwards_hold_and_compute_what_the_first_does(model_type, batch):
+    """The forward's TorchFunctionMode is left out of later forwards where the first routed
+    nothing (no dropout kept as bits, no cast of a held tensor shared: the ``lazy_forward_mode``
+    switch): every later forward holds the bytes the first held, as many as with the mode in
+    every forward, and computes the unpatched model's outputs to the bit."""
+    from hf_division.analysis.measure import held_bytes
+    from hf_division.kernels import configured
+
+    model = tiny_model(model_type, "eager").train()
+    ref = _forward(model, batch, 3).logits
+    hd.apply_division(model, hd.DivisionConfig(min_numel=0))
+    held = [held_bytes(model, batch)[0] for _ in range(3)]
+    with configured(lazy_forward_mode=False):
+        held.append(held_bytes(model, batch)[0])
+    assert len(set(held)) == 1, held
+    assert torch.equal(_forward(model, batch, 3).logits, ref)
