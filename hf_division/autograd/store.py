@@ -263,12 +263,14 @@ def keep(t: torch.Tensor, kind: str, config: DivisionConfig, exact_sign: bool = 
 
 
 def _keep_new(t: torch.Tensor, kind: str, config: DivisionConfig, exact_sign: bool) -> Entry:
-    """:func:`keep` of a tensor not held yet: the entry, registered. A leaf that needs a gradient
-    (a parameter fed to a layer as its input: DeBERTa normalizes its relative-position embedding
-    weight in every forward) is held by reference, as autograd holds it: the model holds it anyway,
-    so a compressed copy cost bytes the unpatched model does not hold, and its gradient precision."""
+    """:func:`keep` of a tensor not held yet: the entry, registered. A parameter fed to a layer as
+    its input (DeBERTa normalizes its relative-position embedding weight in every forward) is held
+    by reference, as autograd holds it: the model holds it anyway, so a compressed copy cost bytes
+    the unpatched model does not hold, and its gradient precision. Only a parameter: another leaf
+    that needs a gradient is an activation too (PEFT's ``enable_input_require_grads`` makes the
+    embedding's output one, the first checkpointed layer's input), which nothing else holds."""
     entry = None
-    if t.is_leaf and t.requires_grad:
+    if isinstance(t, torch.nn.Parameter):
         entry = Entry(kind, packed=Packed.kept(t.detach(), 1, 1))
         register(t, entry)
         return entry

@@ -46,7 +46,7 @@ def test_row_scales_of_zero_and_nan_rows_are_the_smallest_normal():
 
 
 def test_a_parameter_fed_to_a_layer_is_held_by_reference():
-    """A leaf needing a gradient kept as a layer's input (DeBERTa's relative-position embedding weight
+    """A parameter kept as a layer's input (DeBERTa's relative-position embedding weight
     goes through a LayerNorm in every forward) is held as it is, sharing its storage, and counts no
     bytes held: the model holds it anyway, as autograd's own saves of it are not counted. Compressed,
     it cost bytes the unpatched model does not hold, and its first forward held more than later ones
@@ -59,6 +59,10 @@ def test_a_parameter_fed_to_a_layer_is_held_by_reference():
     entry = store.keep(weight, "norm", DivisionConfig(min_numel=0))
     assert entry.packed.bits == 0 and entry.packed.packed.data_ptr() == weight.data_ptr()
     assert store.lookup(weight) is entry and torch.equal(entry.take(), weight)
+    # another leaf needing a gradient is an activation (PEFT's enable_input_require_grads makes the
+    # embedding's output one): compressed
+    leaf = torch.randn(64, 32).requires_grad_()
+    assert store.keep(leaf, "norm", DivisionConfig(min_numel=0)).packed.bits == 4
     model = tiny.tiny_model("deberta-v2", "eager").train()
     batch = tiny.tiny_batch(model_type="deberta-v2")
     hd.apply_division(model, hd.DivisionConfig(min_numel=0))
