@@ -348,8 +348,8 @@ def test_dispatch_suite_times_tritons_launch_path(tmp_path):
     out = tmp_path / "d.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-m", "hf_division.bench", "dispatch", "--shape", "tiny", "--layers", "1",
-                           "--rounds", "2", "--host-tokens", "256", "--out", str(out)], env=env, capture_output=True,
-                          text=True, timeout=CHILD_TIMEOUT_S)
+                           "--rounds", "2", "--host-tokens", "256", "--components", "--out", str(out)], env=env,
+                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     res = json.loads(out.read_text())
     steps, tensor = res["steps"], res["tensor"]
@@ -357,6 +357,7 @@ def test_dispatch_suite_times_tritons_launch_path(tmp_path):
                for arm in ("none", "division", "division-triton", "division-unfused", "division-mode", "division-kept",
                            "checkpointing", "division+checkpointing"))
     assert steps["division-mode"]["triton_launches"] == steps["division"]["triton_launches"]
+    assert all(0 < steps[arm]["min"] for arm in dispatch.COMPONENT_ARMS)
     assert steps["division"]["triton_launches"] == steps["division-triton"]["triton_launches"] > 0
     # the layer's two norms and the final one, a rebuild and a gradient kernel each; the layer's gated
     # MLP, a product and a gradient kernel; its rotary embedding, one kernel each way; or none of them

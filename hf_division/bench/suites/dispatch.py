@@ -2,7 +2,7 @@
 machine (docs/DESIGN.md, "On a GPU": host time).
 
 python -m hf_division.bench dispatch [--shape smollm2] [--layers N] [--size 1x32] [--autocast bf16]
-    [--rounds 30] [--host-tokens 8192] [--out dispatch.json]
+    [--rounds 30] [--host-tokens 8192] [--components] [--out dispatch.json]
 
 Run it without ``TRITON_INTERPRET``: the kernels compile for a simulated sm_90 device and each launch
 goes through Triton's launch path, ``CompiledKernel.run`` included, to a stand-in of the driver's call
@@ -18,9 +18,10 @@ gated MLPs' product and gradients and the rotary embedding in torch ops instead 
 :mod:`hf_division.kernels.triton_norm`'s, :mod:`hf_division.kernels.triton_gated`'s and
 :mod:`hf_division.kernels.triton_rotary`'s kernels (the ``triton_rms_norm``, ``triton_gated`` and
 ``triton_rotary`` switches off); ``division-mode``, every training forward under the patched
-forward's ``TorchFunctionMode`` (the ``lazy_forward_mode`` switch off); ``division-kept``, division with every saved tensor held as it
-is (no tensor reaches its ``min_numel``): division's Functions and store without the compressor;
-``checkpointing`` and ``division+checkpointing``, the cuda suite's arms of those names
+forward's ``TorchFunctionMode`` (the ``lazy_forward_mode`` switch off); ``division-kept``,
+division with every saved tensor held as it is (no tensor reaches its ``min_numel``): division's
+Functions and store without the compressor; with ``--components``, :data:`COMPONENT_ARMS`, each
+division without one of its parts; ``checkpointing`` and ``division+checkpointing``, the cuda suite's arms of those names
 (Transformers' gradient checkpointing, its recomputation unpatched). Also the host's microseconds
 to compress and rebuild one bf16 tensor of ``--host-tokens`` x the shape's hidden size, through the
 launcher and through Triton's dispatch, and per launch.
@@ -53,6 +54,13 @@ WAYS = {"division": dict(triton_launch=True), "division-triton": dict(triton_lau
 CHECKPOINTED = ("checkpointing", "division+checkpointing")
 #: ``division-kept``'s ``min_numel``: no saved tensor is that large, so each is held as it is
 KEPT_MIN_NUMEL = 2**62
+#: arms of their own model, by the config fields division's differ in: ``division-kept`` always;
+#: with ``--components`` the parts of division's host time, each left out in turn (the outlier-token
+#: search; the norm inputs' row scales; the attention's Function, q, k and v held and recomputed;
+#: the Linear inputs compressed)
+CONFIG_ARMS = {"division-kept": dict(min_numel=KEPT_MIN_NUMEL)}
+COMPONENT_ARMS = {"division-no-outliers": dict(outlier_ratio=0.0), "division-no-row-scale": dict(norm_row_scale=False),
+                  "division-exact-attention": dict(attention_bits=0), "division-exact-linear": dict(linear_bits=0)}
 #: the ways a saved tensor's compress and rebuild are timed (the fused kernels' switches do not reach them)
 LAUNCH_WAYS = ("division", "division-triton")
 
@@ -77,18 +85,21 @@ def per_tensor(hidden: int, tokens: int, rounds: int) -> dict:
     return out
 
 
-def steps(shape: str, layers: int | None, size: tuple[int, int], rounds: int, autocast) -> dict:
+def steps(shape: str, layers: int | None, size: tuple[int, int], rounds: int, autocast,
+          components: bool = False) -> dict:
     """Per arm (the module doc's), :func:`~hf_division.bench.suites.launches.interleaved`'s figures."""
     none = cuda_suite.build(shape, "cpu", layers=layers, **HOST_WIDTH).train()
     div = cuda_suite.build(shape, "cpu", layers=layers, **HOST_WIDTH).train()
     apply_division(div, DivisionConfig(min_numel=HOST_MIN_NUMEL))
-    kept = cuda_suite.build(shape, "cpu", layers=layers, **HOST_WIDTH).train()
-    apply_division(kept, DivisionConfig(min_numel=KEPT_MIN_NUMEL))
+    configs = {}
+    for arm, fields in {**CONFIG_ARMS, **(COMPONENT_ARMS if components else {})}.items():
+        configs[arm] = cuda_suite.build(shape, "cpu", layers=layers, **HOST_WIDTH).train()
+        apply_division(configs[arm], DivisionConfig(**{"min_numel": HOST_MIN_NUMEL, **fields}))
     checkpointed = {}
     for arm in CHECKPOINTED:
         checkpointed[arm] = cuda_suite.build(shape, "cpu", layers=layers, **HOST_WIDTH).train()
         cuda_suite.set_arm(checkpointed[arm], arm, DivisionConfig(min_numel=HOST_MIN_NUMEL))
-    models = {"none": none, **{arm: div for arm in WAYS}, "division-kept": kept, **checkpointed}
+    models = {"none": none, **{arm: div for arm in WAYS}, **configs, **checkpointed}
     batch = random_tokens(HOST_WIDTH["vocab_size"], *size, seed=0)
     batch["labels"] = batch["input_ids"]
     with gpu_path(), simulated_cuda(keep=False) as launched:
@@ -111,7 +122,7 @@ def report(res: dict, size: tuple[int, int], rounds: int) -> str:
     base = s["none"]["median"]
     lines = [f"host per step at hidden {HOST_WIDTH['hidden_size']}, {size[0]}x{size[1]} tokens, Triton's launch path "
              f"simulated ({rounds} steps each, median):"]
-    for arm in ("none", *WAYS, "division-kept", *CHECKPOINTED):
+    for arm in ("none", *WAYS, *CONFIG_ARMS, *[a for a in COMPONENT_ARMS if a in s], *CHECKPOINTED):
         lines.append(f"  {arm:20s} {s[arm]['median']:7.1f} ms ({s[arm]['median'] / base:.2f}x none; min {s[arm]['min']:.1f})")
     lines.append("  Triton launches a step: " + ", ".join(f"{arm} {s[arm]['triton_launches']}" for arm in WAYS))
     t = res["tensor"]
@@ -125,6 +136,8 @@ def main(argv=None):
     ap = suite_parser("dispatch", __doc__)
     stand_in_arguments(ap)
     ap.add_argument("--rounds", type=int, default=30, help="timed steps per arm")
+    ap.add_argument("--components", action="store_true",
+                    help="also the arms that each leave one part of division out (COMPONENT_ARMS)")
     ap.add_argument("--out")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
     set_threads()  # HF_DIVISION_THREADS, else 2: the recorded runs' (docs/RESULTS.md, "Kernel launches")
@@ -138,7 +151,7 @@ def main(argv=None):
     res = {"argv": argv, "shape": args.shape, "layers": args.layers, "size": args.size,
            "tensor_shape": f"{args.host_tokens}x{hidden}",
            "tensor": per_tensor(hidden, args.host_tokens, 1000),
-           "steps": steps(args.shape, args.layers, args.size, args.rounds, amp)}
+           "steps": steps(args.shape, args.layers, args.size, args.rounds, amp, args.components)}
     print(report(res, args.size, args.rounds), flush=True)
     if args.out:
         with open(args.out, "w") as f:
