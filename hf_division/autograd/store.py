@@ -271,7 +271,7 @@ def _keep_new(t: torch.Tensor, kind: str, config: DivisionConfig, exact_sign: bo
     embedding's output one, the first checkpointed layer's input), which nothing else holds."""
     entry = None
     if isinstance(t, torch.nn.Parameter):
-        entry = Entry(kind, packed=Packed.kept(t.detach(), 1, 1))
+        entry = _by_reference(t, kind)
         register(t, entry)
         return entry
     if kind == "norm" and config.norm_row_scale and config.bits(kind):
@@ -283,6 +283,21 @@ def _keep_new(t: torch.Tensor, kind: str, config: DivisionConfig, exact_sign: bo
         entry.zeros = zero_padding_tokens(t) if packed.bits else None
         register(t, entry)
     return entry
+
+
+def _by_reference(t: torch.Tensor, kind: str) -> Entry:
+    """An entry holding ``t`` itself (a view sharing its storage and version counter), whose rebuild
+    raises where ``t`` was modified in place since, as autograd's check of its own saves does."""
+    held, version = t.detach(), t._version
+
+    def rebuild() -> torch.Tensor:
+        if held._version != version:
+            raise RuntimeError("hf-division: a parameter a layer took as its input was modified by an inplace "
+                               "operation between the forward and its backward (one of the variables needed for "
+                               "gradient computation)")
+        return held
+
+    return Entry(kind, fn=rebuild, extra=[held])
 
 
 #: the smallest scale a row is kept at (:func:`_keep_row_scaled`); a 0-d CPU tensor combines with any device's

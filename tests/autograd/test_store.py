@@ -1,4 +1,5 @@
 """Store entries: what one rebuild serves."""
+import pytest
 import torch
 
 from hf_division.analysis.launches import KernelCounter
@@ -57,8 +58,12 @@ def test_a_parameter_fed_to_a_layer_is_held_by_reference():
 
     weight = torch.nn.Parameter(torch.randn(64, 32))
     entry = store.keep(weight, "norm", DivisionConfig(min_numel=0))
-    assert entry.packed.bits == 0 and entry.packed.packed.data_ptr() == weight.data_ptr()
-    assert store.lookup(weight) is entry and torch.equal(entry.take(), weight)
+    assert entry.packed is None and [t.data_ptr() for t in entry.tensors()] == [weight.data_ptr()]
+    assert store.lookup(weight) is entry and torch.equal(entry.get(), weight)
+    with torch.no_grad():  # changed in place before the backward: an error, as autograd raises for its own saves
+        weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        entry.take()
     # another leaf needing a gradient is an activation (PEFT's enable_input_require_grads makes the
     # embedding's output one): compressed
     leaf = torch.randn(64, 32).requires_grad_()
@@ -69,4 +74,4 @@ def test_a_parameter_fed_to_a_layer_is_held_by_reference():
     first, second = account(model, batch), account(model, batch)
     assert first.total == second.total and first.by_kind == second.by_kind
     rel = model.deberta.encoder.rel_embeddings.weight
-    assert store.lookup(rel).packed.bits == 0
+    assert [t.data_ptr() for t in store.lookup(rel).tensors()] == [rel.data_ptr()]
