@@ -229,10 +229,9 @@ def _forward_mode(state: PatchState, args: tuple, kwargs: dict):
     """``(signature, mode)``: the mode a root's training forward runs under, and the signature to
     record whether it routed anything under (None: nothing to record).
 
-    Why: the mode's Python handler costs every torch call of the model's own code about a
-    microsecond of host time, about 3,300 calls a forward at SmolLM2's shape, where most models route
-    nothing (no dropout, no cast of a held tensor) and a GPU's step waits for its host (docs/DESIGN.md,
-    "On a GPU"). The first forward of each signature (the arguments given, autocast's and grad mode's
+    Why: the mode's Python handler costs every torch call of the model's own code host time, where
+    most models route nothing (no dropout, no cast of a held tensor) and a GPU's step may wait for its
+    host (docs/DESIGN.md, "On a GPU"; the ``dispatch`` suite's ``division-mode`` arm). The first forward of each signature (the arguments given, autocast's and grad mode's
     state), and every :data:`REPROBE_EVERY`-th, runs under the mode; a signature under which it
     routed something always does. A forward left out keeps what autograd keeps for a dropout mask or
     a cast copy: never more than the unpatched model holds."""

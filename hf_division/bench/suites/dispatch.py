@@ -21,8 +21,8 @@ gated MLPs' product and gradients and the rotary embedding in torch ops instead 
 forward's ``TorchFunctionMode`` (the ``lazy_forward_mode`` switch off); ``division-kept``,
 division with every saved tensor held as it is (no tensor reaches its ``min_numel``): division's
 Functions and store without the compressor; with ``--components``, :data:`COMPONENT_ARMS`, each
-division without one of its parts; ``checkpointing`` and ``division+checkpointing``, the cuda suite's arms of those names
-(Transformers' gradient checkpointing, its recomputation unpatched). Also the host's microseconds
+division without one of its parts; ``checkpointing`` and ``division+checkpointing``, the cuda
+suite's arms of those names (Transformers' gradient checkpointing, its recomputation unpatched). Also the host's microseconds
 to compress and rebuild one bf16 tensor of ``--host-tokens`` x the shape's hidden size, through the
 launcher and through Triton's dispatch, and per launch.
 """
@@ -123,7 +123,7 @@ def report(res: dict, size: tuple[int, int], rounds: int) -> str:
     lines = [f"host per step at hidden {HOST_WIDTH['hidden_size']}, {size[0]}x{size[1]} tokens, Triton's launch path "
              f"simulated ({rounds} steps each, median):"]
     for arm in ("none", *WAYS, *CONFIG_ARMS, *[a for a in COMPONENT_ARMS if a in s], *CHECKPOINTED):
-        lines.append(f"  {arm:20s} {s[arm]['median']:7.1f} ms ({s[arm]['median'] / base:.2f}x none; min {s[arm]['min']:.1f})")
+        lines.append(f"  {arm:24s} {s[arm]['median']:7.1f} ms ({s[arm]['median'] / base:.2f}x none; min {s[arm]['min']:.1f})")
     lines.append("  Triton launches a step: " + ", ".join(f"{arm} {s[arm]['triton_launches']}" for arm in WAYS))
     t = res["tensor"]
     lines.append(f"host per saved {res['tensor_shape']} bf16 tensor, compress + rebuild ({t['division']['launches']} launches): "
