@@ -1,7 +1,8 @@
 """Backward functions that refuse to be differentiated again, naming hf-division.
 
 The ops keep compressed copies of what they save and compute their backward from rebuilt tensors
-outside autograd (``once_differentiable``), so a second derivative through them does not exist.
+outside autograd (with grad mode off, as ``once_differentiable`` runs them), so a second
+derivative through them does not exist.
 PyTorch alone would either raise an error that does not say why (``backward(create_graph=True)``)
 or, for ``torch.autograd.grad(..., create_graph=True)`` followed by a backward of the result, let
 the second-order terms through these ops vanish. A backward that runs with grad mode on is one
@@ -18,7 +19,6 @@ import contextlib
 import functools
 
 import torch
-from torch.autograd.function import once_differentiable
 
 HIGHER_ORDER = (
     "hf-division: higher-order gradients (create_graph=True, e.g. a gradient penalty) are not "
@@ -32,9 +32,12 @@ AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 def first_order(backward):
-    """``once_differentiable(backward)`` that raises a RuntimeError naming hf-division when the
-    backward is asked for a graph of itself."""
-    inner = once_differentiable(backward)
+    """``backward`` that raises a RuntimeError naming hf-division when it is asked for a graph of
+    itself, as ``once_differentiable(backward)`` would with PyTorch's message. Not wrapped in
+    ``once_differentiable`` as well: with grad mode off (the only way this runs) its ``no_grad``
+    block and checks change nothing, and a backward runs for each Function of every step (host
+    time, docs/DESIGN.md, "On a GPU")."""
+    inner = backward
 
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
