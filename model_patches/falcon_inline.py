@@ -184,7 +184,10 @@ def _compressed_attention(attn, config, hidden_states, alibi, attention_mask, la
         return call(q, k, v)
     # held by ``call`` for the recomputation: one of each per forward, shared by the layers
     account_tensors(held.tensors() if held is not None else [a for a in (alibi,) if a is not None], "attention")
-    return AttentionFn.apply(q, k, v, call, config)
+    # the core draws random numbers only for its attention dropout (both eager branches, and sdpa's
+    # ALiBi one), which draws nothing at p = 0
+    draws = attn.training and attn.attention_dropout.p > 0
+    return AttentionFn.apply(q, k, v, call, config, draws)
 
 
 def _patch_attention(state, attn: FalconAttention) -> None:
