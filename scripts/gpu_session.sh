@@ -20,6 +20,13 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     || { echo "installing .whl failed"; exit 1; }
   export PYTHONPATH=/tmp/site:.
 fi
+# kernels compiled on the CPU machine (scripts/prewarm_triton_cache.sh), where carried: Triton then
+# loads what its key finds instead of compiling it; a copy, Triton writes there
+if [ -d .triton_cache ] && [ -z "${TRITON_CACHE_DIR:-}" ]; then
+  mkdir -p /tmp/triton_cache && cp -r .triton_cache/. /tmp/triton_cache/ && export TRITON_CACHE_DIR=/tmp/triton_cache
+fi
+cache_entries() { [ -n "${TRITON_CACHE_DIR:-}" ] && find "$TRITON_CACHE_DIR" -mindepth 1 -maxdepth 1 | wc -l; }
+C0=$(cache_entries)
 python - <<'PY' 2>&1 | tee "$OUT/versions.txt"
 import torch, transformers, triton
 print("torch", torch.__version__, "cuda", torch.version.cuda, "transformers", transformers.__version__,
@@ -49,12 +56,15 @@ if [ "$FUSED_TEST" != 0 ]; then
 fi
 # 1. correctness on the device: the kernels' codes, no host sync, a CUDA-graph step, and the suite's smoke
 timeout 120 python -m pytest -q -x "${CUDA_TESTS[@]}" 2>&1 | tail -25 | tee "$OUT/test_cuda.txt"
+C1=$(cache_entries)
 # 2. the table: five arms at the SmolLM2 and Llama-1B shapes (--quick: SmolLM2 only)
 ARGS=(--out "$OUT/cuda.json" --budget-s 300)
 [ "${QUICK:-0}" = 1 ] && ARGS+=(--quick)
 [ -n "${SET:-}" ] && ARGS+=(--set "$SET")
 TABLE_S=$(( $(left) < 380 ? $(left) : 380 ))  # what is left of LIMIT where the steps before took long
 timeout "$TABLE_S" python -m hf_division.bench cuda "${ARGS[@]}" 2>&1 | grep -v "^\[transformers\]" | tee "$OUT/cuda.txt"
+[ -n "$C0" ] && echo "Triton cache: $C0 entries carried; the tests added $(( C1 - C0 )), the table $(( $(cache_entries) - C1 ))" \
+  | tee -a "$OUT/versions.txt"
 # 3. where each arm's step time goes at the SmolLM2 shape: launches, kernel time, the costliest kernels
 [ "$(left)" -gt 30 ] && timeout "$(left)" python scripts/cuda_profile.py 2>&1 | grep -v "^\[transformers\]" \
   | tee "$OUT/profile.txt"

@@ -178,7 +178,8 @@ def test_gpu_session_scripts_run_on_cpu(tmp_path):
     """What scripts/gpu_session.sh runs after the table, on the CPU with a tiny model: the GPU's
     minutes are too few to find a broken script there."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert subprocess.run(["bash", "-n", os.path.join(root, "scripts", "gpu_session.sh")]).returncode == 0
+    for script in ("gpu_session.sh", "prewarm_triton_cache.sh"):
+        assert subprocess.run(["bash", "-n", os.path.join(root, "scripts", script)]).returncode == 0
     env = dict(os.environ, OUT=str(tmp_path), PROBE_DEV="cpu", ARMS="none division division-triton division-unfused",
                PYTHONPATH=root)
     run = subprocess.run([sys.executable, os.path.join(root, "scripts", "cuda_profile.py")], env=env, cwd=root,
