@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -77,13 +78,17 @@ def gpu_path():
         yield
 
 
-def train_step(model: torch.nn.Module, batch: dict, autocast: torch.dtype | None = None) -> None:
-    """One training step: forward under ``autocast`` on the model's device, backward, ``zero_grad``."""
+def train_step(model: torch.nn.Module, batch: dict, autocast: torch.dtype | None = None) -> float:
+    """One training step: forward under ``autocast`` on the model's device, backward, ``zero_grad``;
+    the host's seconds until the forward returned its loss (on a GPU, not synchronized)."""
     device = next(model.parameters()).device.type
+    start = time.perf_counter()
     with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
         loss = model(**batch).loss
+    forward = time.perf_counter() - start
     loss.backward()
     model.zero_grad(set_to_none=True)
+    return forward
 
 
 def step_counts(model: torch.nn.Module, batch: dict, autocast: torch.dtype | None = None) -> KernelCounter:

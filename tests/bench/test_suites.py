@@ -333,6 +333,7 @@ def test_launches_suite_counts_the_gpu_path(tmp_path):
     assert {arm: steps[arm]["launches"] for arm in steps} == {"none": total["none"], "division": total["division"]}
     assert steps["division"]["forward_objects"] > steps["none"]["forward_objects"] >= 0
     assert all(0 < r["min"] <= r["median"] and r["min_frozen"] > 0 for r in steps.values())
+    assert all(0 < r["forward_median"] < r["median"] for r in steps.values())
 
 
 def test_dispatch_suite_times_tritons_launch_path(tmp_path):
@@ -354,9 +355,10 @@ def test_dispatch_suite_times_tritons_launch_path(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     res = json.loads(out.read_text())
     steps, tensor = res["steps"], res["tensor"]
-    assert all(0 < steps[arm]["min"] <= steps[arm]["median"]
+    assert all(0 < steps[arm]["forward_median"] < steps[arm]["median"] and steps[arm]["min"] <= steps[arm]["median"]
                for arm in ("none", "division", "division-triton", "division-unfused", "division-mode", "division-kept",
                            "checkpointing", "division+checkpointing"))
+    assert "forward" in done.stdout
     assert steps["division-mode"]["triton_launches"] == steps["division"]["triton_launches"]
     assert all(0 < steps[arm]["min"] for arm in dispatch.COMPONENT_ARMS)
     assert steps["division"]["triton_launches"] == steps["division-triton"]["triton_launches"] > 0

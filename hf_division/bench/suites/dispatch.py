@@ -123,7 +123,8 @@ def report(res: dict, size: tuple[int, int], rounds: int) -> str:
     lines = [f"host per step at hidden {HOST_WIDTH['hidden_size']}, {size[0]}x{size[1]} tokens, Triton's launch path "
              f"simulated ({rounds} steps each, median):"]
     for arm in ("none", *WAYS, *CONFIG_ARMS, *[a for a in COMPONENT_ARMS if a in s], *CHECKPOINTED):
-        lines.append(f"  {arm:24s} {s[arm]['median']:7.1f} ms ({s[arm]['median'] / base:.2f}x none; min {s[arm]['min']:.1f})")
+        lines.append(f"  {arm:24s} {s[arm]['median']:7.1f} ms ({s[arm]['median'] / base:.2f}x none; min {s[arm]['min']:.1f}; "
+                     f"forward {s[arm]['forward_median']:.1f})")
     lines.append("  Triton launches a step: " + ", ".join(f"{arm} {s[arm]['triton_launches']}" for arm in WAYS))
     t = res["tensor"]
     lines.append(f"host per saved {res['tensor_shape']} bf16 tensor, compress + rebuild ({t['division']['launches']} launches): "

@@ -94,11 +94,12 @@ def host_steps(shape: str, layers: int | None, size: tuple[int, int], rounds: in
 
 def interleaved(models: dict, batch: dict, autocast, rounds: int, frozen: bool, switched: dict | None = None) -> dict:
     """:func:`host_steps`' timing: ``rounds`` steps per arm, interleaved; per arm the min and
-    median milliseconds and the garbage collector's collections and milliseconds per step, by
-    generation. ``frozen``: after ``gc.freeze()`` (undone after), the objects made so far left
+    median milliseconds, the median of the forward's alone (until its loss), and the garbage
+    collector's collections and milliseconds per step, by generation. ``frozen``: after ``gc.freeze()`` (undone after), the objects made so far left
     out of every collection (docs/GUIDE.md, "On a GPU"). ``switched``: an arm's switches
     (:func:`~hf_division.kernels.configured`) during its steps (arms may share a model)."""
     times = {arm: [] for arm in models}
+    forwards = {arm: [] for arm in models}
     collections = {arm: {} for arm in models}
     current, started = [None], [0.0]
 
@@ -118,7 +119,7 @@ def interleaved(models: dict, batch: dict, autocast, rounds: int, frozen: bool, 
                 current[0] = arm
                 with configured(**(switched or {}).get(arm, {})):
                     t0 = time.perf_counter()
-                    train_step(models[arm], batch, autocast)
+                    forwards[arm].append(1e3 * train_step(models[arm], batch, autocast))
                     times[arm].append(1e3 * (time.perf_counter() - t0))
                 current[0] = None
     finally:
@@ -129,7 +130,8 @@ def interleaved(models: dict, batch: dict, autocast, rounds: int, frozen: bool, 
     for arm, ts in times.items():
         ts.sort()
         gcs = {str(g): {"per_step": n / rounds, "ms_per_step": ms / rounds} for g, (n, ms) in sorted(collections[arm].items())}
-        out[arm] = {"min": ts[0], "median": ts[len(ts) // 2], "mean": sum(ts) / len(ts), "gc": gcs}
+        out[arm] = {"min": ts[0], "median": ts[len(ts) // 2], "mean": sum(ts) / len(ts),
+                    "forward_median": sorted(forwards[arm])[len(ts) // 2], "gc": gcs}
     return out
 
 
