@@ -37,7 +37,6 @@ def first_order(backward):
     ``once_differentiable`` as well: with grad mode off (the only way this runs) its ``no_grad``
     block and checks change nothing, and a backward runs for each Function of every step (host
     time, docs/DESIGN.md, "On a GPU")."""
-    inner = backward
 
     @functools.wraps(backward)
     def wrapper(ctx, *grads):
@@ -45,10 +44,10 @@ def first_order(backward):
             raise RuntimeError(HIGHER_ORDER)
         on = [device for device in AUTOCAST_DEVICES if torch.is_autocast_enabled(device)]
         if not on:
-            return inner(ctx, *grads)
+            return backward(ctx, *grads)
         with contextlib.ExitStack() as stack:
             for device in on:
                 stack.enter_context(torch.autocast(device, enabled=False))
-            return inner(ctx, *grads)
+            return backward(ctx, *grads)
 
     return wrapper

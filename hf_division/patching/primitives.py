@@ -231,9 +231,10 @@ def _forward_mode(state: PatchState, args: tuple, kwargs: dict):
 
     Why: the mode's Python handler costs every torch call of the model's own code host time, where
     most models route nothing (no dropout, no cast of a held tensor) and a GPU's step may wait for its
-    host (docs/DESIGN.md, "On a GPU"; the ``dispatch`` suite's ``division-mode`` arm). The first forward of each signature (the arguments given, autocast's and grad mode's
-    state), and every :data:`REPROBE_EVERY`-th, runs under the mode; a signature under which it
-    routed something always does. A forward left out keeps what autograd keeps for a dropout mask or
+    host (docs/DESIGN.md, "On a GPU"; the ``dispatch`` suite's ``division-mode`` arm). The first
+    forward of each signature (the arguments given, autocast's and grad mode's state), and every
+    :data:`REPROBE_EVERY`-th, runs under the mode; a signature under which it routed something
+    always does. A forward left out keeps what autograd keeps for a dropout mask or
     a cast copy: never more than the unpatched model holds."""
     mode = ForwardMode(state.config.dropout_bits)
     if not isinstance(mode, ForwardMode):  # under torch.compile: a null context, nothing counted or guarded on

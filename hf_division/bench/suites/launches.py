@@ -95,8 +95,9 @@ def host_steps(shape: str, layers: int | None, size: tuple[int, int], rounds: in
 def interleaved(models: dict, batch: dict, autocast, rounds: int, frozen: bool, switched: dict | None = None) -> dict:
     """:func:`host_steps`' timing: ``rounds`` steps per arm, interleaved; per arm the min and
     median milliseconds, the median of the forward's alone (until its loss), and the garbage
-    collector's collections and milliseconds per step, by generation. ``frozen``: after ``gc.freeze()`` (undone after), the objects made so far left
-    out of every collection (docs/GUIDE.md, "On a GPU"). ``switched``: an arm's switches
+    collector's collections and milliseconds per step, by generation. ``frozen``: after
+    ``gc.freeze()`` (undone after), the objects made so far left out of every collection
+    (docs/GUIDE.md, "On a GPU"). ``switched``: an arm's switches
     (:func:`~hf_division.kernels.configured`) during its steps (arms may share a model)."""
     times = {arm: [] for arm in models}
     forwards = {arm: [] for arm in models}
