@@ -143,7 +143,8 @@ def tensor_seed(device: torch.device, gen: torch.Generator | None, blocks: bool)
     held, block = _blocks.get(id(gen), (None, None))
     if held is not gen or block["next"] >= SEED_BLOCK or block["mark"] != _mark(gen) or block["captured"] != capturing:
         seeds = torch.randint(0, 2**32, (SEED_BLOCK,), dtype=torch.int64, generator=gen, device=gen.device).to(device)
-        block = {"seeds": seeds, "next": 0, "mark": _mark(gen), "captured": capturing}
+        # handed out as views made at once: one indexing op per tensor cost more host time
+        block = {"seeds": seeds.unbind(0), "next": 0, "mark": _mark(gen), "captured": capturing}
         _blocks.pop(id(gen), None)
         while len(_blocks) >= KEPT_BLOCKS:
             _blocks.pop(next(iter(_blocks)), None)

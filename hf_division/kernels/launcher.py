@@ -85,25 +85,45 @@ def key(fn, args: tuple, meta: dict, options: dict):
 def launch(fn, grid: tuple, args: tuple, meta: dict, options: dict) -> None:
     """``fn[grid](*args, **meta, **options)`` on the current CUDA device and stream, through the
     compiled kernel kept for this key after its first launch."""
+    k, spec = key(fn, args, meta, options)
+    if spec is None:
+        fn[grid](*args, **meta, **options)
+        return
+    full = (current_device(), spec)
+    entry = k.compiled.get(full)
+    if entry is None:
+        keep_first(k, full, grid, args, meta, options)
+        return
+    run_kept((fn, *entry), grid, args, meta, options)
+
+
+def current_device() -> int:
+    """The current CUDA device's index, as Triton's driver gives it (imported at the first call)."""
     if not _triton:
         from triton import knobs
         from triton.runtime.driver import driver
 
         _triton.extend((knobs.runtime, driver))
-    runtime, driver = _triton
+    return _triton[1].active.get_current_device()
+
+
+def kept(fn, args: tuple, meta: dict, options: dict):
+    """What :func:`launch` keeps for this call's key on the current device, once it has launched
+    it: ``(fn, compiled kernel, constexprs in parameter order)``, for :func:`run_kept`; None where
+    nothing is kept (a pointer argument that is not a tensor, a kernel Triton's dispatch returned
+    no compiled kernel for)."""
     k, spec = key(fn, args, meta, options)
-    if spec is None:
-        fn[grid](*args, **meta, **options)
-        return
-    active = driver.active
-    device = active.get_current_device()
-    full = (device, spec)
-    entry = k.compiled.get(full)
-    if entry is None:
-        keep_first(k, full, grid, args, meta, options)
-        return
-    kernel, tail = entry
-    stream = active.get_current_stream(device)
+    entry = None if spec is None else k.compiled.get((current_device(), spec))
+    return None if entry is None else (fn, *entry)
+
+
+def run_kept(entry: tuple, grid: tuple, args: tuple, meta: dict, options: dict) -> None:
+    """Launch :func:`kept`'s ``entry`` with ``args`` on the current stream, as Triton's dispatch
+    ends: the caller vouches that ``args`` have the key ``entry`` was kept under (``meta`` and
+    ``options``: the launch's, for Triton's dispatch where the launcher refuses the arguments)."""
+    fn, kernel, tail = entry
+    runtime, driver = _triton
+    stream = driver.active.get_current_stream(driver.active.get_current_device())
     values = args + tail
     enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
     if getattr(enter, "calls", True) or getattr(exit_, "calls", True):  # hooks to call: their metadata
@@ -118,6 +138,15 @@ def launch(fn, grid: tuple, args: tuple, meta: dict, options: dict) -> None:
     except (TypeError, AttributeError) as err:  # a Triton whose launcher takes other arguments: raised before launching
         _give_up(err)
         fn[grid](*args, **meta, **options)
+
+
+def pointers(fn, n: int):
+    """``args -> the pointer arguments among them`` for ``n`` positional arguments of ``fn`` (the
+    parameters named ``*_ptr``)."""
+    k = _kernels.get(id(fn))
+    if k is None:
+        k = _kernels[id(fn)] = _Kernel(fn)
+    return k.layout(n)[0]
 
 
 def _give_up(err: Exception) -> None:

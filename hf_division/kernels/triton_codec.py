@@ -109,11 +109,13 @@ def kernels_from(module):
     global _KERNELS
     before, _KERNELS = _KERNELS, module
     _resolved.clear()
+    _planned.clear()
     try:
         yield
     finally:
         _KERNELS = before
         _resolved.clear()
+        _planned.clear()
 
 
 #: kernel name -> (its jit function, its launch options, whether compiled: not interpreted), per launch
@@ -183,6 +185,64 @@ def launch_kernel(name: str, grid: tuple, *args, **meta) -> None:
         _launching["depth"] -= 1
 
 
+class Launch:
+    """One call site's launch of kernel ``name`` for one shape: its grid and constexprs, fixed, and
+    the compiled kernels the launcher kept for it, by device and pointer alignment. The caller keys
+    it (:func:`planned`) on everything that decides the scalar arguments and the pointers' dtypes,
+    so that a launch after the first goes straight to the kept kernel without :func:`launch_kernel`
+    rebuilding the launcher's key from every argument (docs/DESIGN.md, "On a GPU": host time)."""
+
+    __slots__ = ("name", "grid", "meta", "kept", "options", "ptrs")
+
+    def __init__(self, name: str, grid: tuple, meta: dict):
+        self.name, self.grid, self.meta, self.kept = name, grid, meta, {}
+        self.options = self.ptrs = None
+
+    def __call__(self, *args) -> None:
+        ptrs = self.ptrs  # None until a first launch found the kernel compiled (not interpreted)
+        if ptrs is None or not switches().triton_launch:
+            self._first(args)
+            return
+        device = args[0].device
+        if device.type == "cuda" and device_switch(args[0]) is not None:  # launch_kernel switches device
+            launch_kernel(self.name, self.grid, *args, **self.meta)
+            return
+        variant = (device, *[t.data_ptr() & 15 for t in ptrs(args)])
+        if _launching["skip"]:  # the host's share of a planned launch (the driver's call aside)
+            _counts["launches"] += 1
+            return
+        entry = self.kept.get(variant)
+        if entry is None:  # the first of its variant: the launcher's way, then kept
+            launch_kernel(self.name, self.grid, *args, **self.meta)
+            entry = launcher.kept(_resolved[self.name][0], args, self.meta, self.options)
+            if entry is not None:
+                self.kept[variant] = entry
+            return
+        _counts["launches"] += 1
+        launcher.run_kept(entry, self.grid, args, self.meta, self.options)
+
+    def _first(self, args: tuple) -> None:
+        launch_kernel(self.name, self.grid, *args, **self.meta)
+        fn, self.options, compiled = _resolved.get(self.name) or _resolve(self.name)
+        if compiled:
+            self.ptrs = launcher.pointers(fn, len(args))
+
+
+_planned: dict = {}
+
+
+def planned(key: tuple, make) -> Launch:
+    """The :class:`Launch` kept for ``key`` (``make()`` builds it the first time): ``key`` names the
+    kernel and fixes every scalar argument, every pointer's dtype, the grid and the constexprs of
+    its launches (with whatever module constant they are derived from)."""
+    got = _planned.get(key)
+    if got is None:
+        if len(_planned) >= launcher.MAX_KEYS:
+            _planned.clear()
+        got = _planned[key] = make()
+    return got
+
+
 def _run(fn, grid, args, meta, options, kept: bool) -> None:
     if kept:
         launcher.launch(fn, grid, args, meta, options)
@@ -248,13 +308,21 @@ def encode_tokens(x3: torch.Tensor, seed, bits: int, block: int, group: int, lfc
     out = TokenBuffers.empty(m, t, c, bits, block, group, lfc_dtype, SCALE_DTYPE, x3.device)
     r_last, split, grid, meta = group_launch(c, out.n_full, out.rest, group, bits, block)
     slot, rows = (out.lo, out.lo) if exact is None else (exact["slot"], exact["rows"])
-    launch_kernel("encode", grid, x3, *x3.stride(), t, out.tokens // m, c, out.n_full, out.rest, r_last,
-                  out.lo if seed is None else seed, slot, rows, out.lo if row_scale is None else row_scale,
-                  _top(x3.dtype), out.codes, split, out.lo if out.lfc is None else out.lfc, out.lo, out.scale,
-                  HAS_SEED=seed is not None, HAS_SLOT=exact is not None, NBT=pow2(group // block),
-                  LFC=LFC_KIND[lfc_dtype if block > 1 else None], ROW_SCALE=row_scale is not None,
-                  ROWS_BF16=x3.dtype == torch.bfloat16, **meta)
+    key = ("encode", x3.shape, x3.stride(), x3.dtype, bits, block, group, lfc_dtype, _dtype(seed), exact is None,
+           _dtype(row_scale))
+    launch = planned(key, lambda: Launch("encode", grid, dict(
+        HAS_SEED=seed is not None, HAS_SLOT=exact is not None, NBT=pow2(group // block),
+        LFC=LFC_KIND[lfc_dtype if block > 1 else None], ROW_SCALE=row_scale is not None,
+        ROWS_BF16=x3.dtype == torch.bfloat16, **meta)))
+    launch(x3, *x3.stride(), t, out.tokens // m, c, out.n_full, out.rest, r_last, out.lo if seed is None else seed,
+           slot, rows, out.lo if row_scale is None else row_scale, _top(x3.dtype), out.codes, split,
+           out.lo if out.lfc is None else out.lfc, out.lo, out.scale)
     return out
+
+
+def _dtype(t: torch.Tensor | None):
+    """``t``'s dtype, None for no tensor (a launch's key: a placeholder's dtype is fixed)."""
+    return None if t is None else t.dtype
 
 
 @functools.lru_cache(maxsize=1024)
@@ -284,18 +352,26 @@ def decode_tokens(p) -> torch.Tensor:
     n_full, rest = divmod(m * tp, group)
     out = torch.empty(m * t, c, dtype=p.dtype, device=p.packed.device)
     r_last, split, grid, meta = group_launch(c, n_full, rest, group, p.bits, block)
-    top = _top(p.dtype)
     rs = p.row_scale
-    launch_kernel("decode", grid, out, t, tp, c, n_full, rest, r_last, p.packed, split,
-                  p.lo if p.lfc is None else p.lfc, p.lo, p.scale, p.lo if rs is None else rs, top,
-                  HAS_LFC=p.lfc is not None, CLAMP=p.dtype != torch.float32, OUT_BF16=p.dtype == torch.bfloat16,
-                  ROW_SCALE=rs is not None, **meta)
+    key = ("decode", m, t, c, p.bits, block, group, p.dtype, p.packed.dtype, _dtype(p.lfc), p.lo.dtype,
+           p.scale.dtype, _dtype(rs))
+    launch = planned(key, lambda: Launch("decode", grid, dict(
+        HAS_LFC=p.lfc is not None, CLAMP=p.dtype != torch.float32, OUT_BF16=p.dtype == torch.bfloat16,
+        ROW_SCALE=rs is not None, **meta)))
+    launch(out, t, tp, c, n_full, rest, r_last, p.packed, split, p.lo if p.lfc is None else p.lfc, p.lo, p.scale,
+           p.lo if rs is None else rs, _top(p.dtype))
     if p.rows is not None and p.rows.numel():
         keep = p.row_keep
-        bc = max(16, min(pow2(c), 1024))
-        launch_kernel("put_rows", (p.rows.shape[0], _cdiv(c, bc)), out, p.rows, p.row_index,
-                      p.row_index if keep is None else keep.view(torch.int8), c, HAS_KEEP=keep is not None, BC=bc)
+        k = p.rows.shape[0]
+        key = ("put_rows", k, c, p.dtype, p.rows.dtype, p.row_index.dtype, keep is None)
+        launch = planned(key, lambda: _put_rows_launch(k, c, keep is not None))
+        launch(out, p.rows, p.row_index, p.row_index if keep is None else keep.view(torch.int8), c)
     return out.view(m, t, c)
+
+
+def _put_rows_launch(k: int, c: int, has_keep: bool) -> Launch:
+    bc = max(16, min(pow2(c), 1024))
+    return Launch("put_rows", (k, _cdiv(c, bc)), dict(HAS_KEEP=has_keep, BC=bc))
 
 
 def exact_tokens(x3: torch.Tensor, ratio: float, row_scale: torch.Tensor | None = None) -> dict:
@@ -316,27 +392,26 @@ def exact_tokens(x3: torch.Tensor, ratio: float, row_scale: torch.Tensor | None 
     work = torch.empty(2 * n + 1, dtype=torch.int32, device=dev)  # the slots, then the scores and a counter
     row_index = torch.empty(k, dtype=torch.int64, device=dev)
     keep = torch.empty(k, dtype=torch.int8, device=dev)
-    grid, tile = score_launch(n, c)
-    launch_kernel("score", grid, x3, *x3.stride(), t, c, n, work, row_index, keep, k,
-                  work if row_scale is None else row_scale, **tile, ROW_SCALE=row_scale is not None)
-    bt = 1024
-    launch_kernel("select", (_cdiv(n, bt),), work, n, _cdiv(n, SAMPLE), k, float(ratio), row_index, keep,
-                  SAMPLE=SAMPLE, BT=bt)
+    key = ("score", x3.shape, x3.stride(), x3.dtype, _dtype(row_scale))
+    score = planned(key, lambda: Launch("score", *score_launch(n, c, row_scale is not None)))
+    score(x3, *x3.stride(), t, c, n, work, row_index, keep, k, work if row_scale is None else row_scale)
+    ratio = float(ratio)
+    select = planned(("select", n, ratio), lambda: Launch("select", (_cdiv(n, 1024),), dict(SAMPLE=SAMPLE, BT=1024)))
+    select(work, n, _cdiv(n, SAMPLE), k, ratio, row_index, keep)
     rows = torch.empty(k, c, dtype=x3.dtype, device=dev)
     return dict(slot=work, rows=rows, row_index=row_index, row_keep=keep.view(torch.bool))
 
 
-@functools.lru_cache(maxsize=1024)
-def score_launch(n: int, c: int) -> tuple:
-    """``(grid, {"BT": tokens, "BC": channels})`` of the score kernel over ``n`` tokens of ``c``
-    channels (its programs also clear the ``k <= n`` exact rows' bookkeeping); cached, as
-    :func:`group_launch`. A program takes 4 tokens of 256 channels or more, so that a tensor of
+def score_launch(n: int, c: int, row_scale: bool = False) -> tuple:
+    """``(grid, {"BT": tokens, "BC": channels, "ROW_SCALE": row_scale})`` of the score kernel over
+    ``n`` tokens of ``c`` channels (its programs also clear the ``k <= n`` exact rows'
+    bookkeeping); kept with its :class:`Launch`. A program takes 4 tokens of 256 channels or more, so that a tensor of
     8192 tokens spreads over 2048 programs, more than an H200's 132 multiprocessors hold at once
     (``python -m hf_division.bench kernels --step``: its waves); narrower rows, more tokens, so that
     a tile still holds :data:`TILE` values (8 a thread: 16-byte loads of bf16)."""
     bc = max(16, min(pow2(c), TILE // 4))
     bt = max(4, TILE // bc)
-    return (_cdiv(n, bt),), dict(BT=bt, BC=bc)
+    return (_cdiv(n, bt),), dict(BT=bt, BC=bc, ROW_SCALE=row_scale)
 
 
 #: per kernel launch options: no multiply-add fusion where the reference rounds each product (the

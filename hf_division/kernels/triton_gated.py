@@ -41,8 +41,11 @@ def product(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``; one launch."""
     g, u = gate.contiguous(), up.contiguous()
     h = torch.empty_like(g)
-    if g.numel():
-        triton_codec.launch_kernel("silu_mul", _grid(g.numel()), g, u, h, g.numel(), D=ROUNDED[g.dtype], BLOCK=BLOCK)
+    n = g.numel()
+    if n:
+        launch = triton_codec.planned(("silu_mul", n, BLOCK, g.dtype, u.dtype), lambda: triton_codec.Launch(
+            "silu_mul", _grid(n), dict(D=ROUNDED[g.dtype], BLOCK=BLOCK)))
+        launch(g, u, h, n)
     return h
 
 
@@ -51,8 +54,10 @@ def gradients(grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, need_gat
     d, g, u = grad.contiguous(), gate.contiguous(), up.contiguous()
     dg = torch.empty_like(g) if need_gate else None
     du = torch.empty_like(g) if need_up else None
-    if g.numel() and (need_gate or need_up):
-        triton_codec.launch_kernel("silu_mul_grad", _grid(g.numel()), d, g, u, g if dg is None else dg,
-                                   g if du is None else du, g.numel(), NEED_G=need_gate, NEED_U=need_up,
-                                   D=ROUNDED[g.dtype], BLOCK=BLOCK)
+    n = g.numel()
+    if n and (need_gate or need_up):
+        launch = triton_codec.planned(("silu_mul_grad", n, BLOCK, need_gate, need_up, d.dtype, g.dtype, u.dtype),
+                                      lambda: triton_codec.Launch("silu_mul_grad", _grid(n), dict(
+                                          NEED_G=need_gate, NEED_U=need_up, D=ROUNDED[g.dtype], BLOCK=BLOCK)))
+        launch(d, g, u, g if dg is None else dg, g if du is None else du, n)
     return dg, du

@@ -67,8 +67,11 @@ def rebuild(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Te
     rstd = torch.empty(n, dtype=torch.float32, device=x.device)
     rows, bc = _tile(c)
     if n:
-        triton_codec.launch_kernel("rms_rebuild", (-(-n // rows),), x2, weight, y, rstd, n, c, float(eps),
-                                   XD=ROUNDED[x.dtype], YD=ROUNDED[y.dtype], ROWS=rows, BC=bc)
+        eps = float(eps)
+        key = ("rms_rebuild", n, c, eps, x.dtype, weight.dtype, y.dtype)
+        launch = triton_codec.planned(key, lambda: triton_codec.Launch(
+            "rms_rebuild", (-(-n // rows),), dict(XD=ROUNDED[x.dtype], YD=ROUNDED[y.dtype], ROWS=rows, BC=bc)))
+        launch(x2, weight, y, rstd, n, c, eps)
     return y, rstd
 
 
@@ -86,9 +89,10 @@ def gradients(grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: t
     dx = torch.empty(grad.shape, dtype=dtype, device=grad.device) if need_x else None
     part = torch.empty(programs, c, dtype=torch.float32, device=grad.device) if need_w else None
     if n and (need_x or need_w):
-        triton_codec.launch_kernel("rms_grad", (programs,), g2, x2, rstd, weight, x2 if dx is None else dx,
-                                   rstd if part is None else part, n, c, NEED_X=need_x, NEED_W=need_w,
-                                   DXD=ROUNDED[dtype], ITERS=iters, ROWS=rows, BC=bc)
+        key = ("rms_grad", n, c, programs, iters, need_x, need_w, dtype, grad.dtype, x.dtype, weight.dtype)
+        launch = triton_codec.planned(key, lambda: triton_codec.Launch("rms_grad", (programs,), dict(
+            NEED_X=need_x, NEED_W=need_w, DXD=ROUNDED[dtype], ITERS=iters, ROWS=rows, BC=bc)))
+        launch(g2, x2, rstd, weight, x2 if dx is None else dx, rstd if part is None else part, n, c)
     gw = None
     if need_w:
         gw = part.sum(0).to(weight.dtype) if n else torch.zeros_like(weight)

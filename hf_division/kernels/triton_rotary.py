@@ -68,8 +68,11 @@ def rotate(pairs: list, cos: torch.Tensor, sin: torch.Tensor, backward: bool) ->
         qd, qod = (qo, q) if backward else (q, qo)
         kd, kod = (ko, k) if backward else (k, ko)
         cb = cos.stride(0) if cos.shape[0] > 1 else 0
-        triton_codec.launch_kernel("rotary", (pq + pk,), q, qo, k, ko, cos, sin, rq, rk, q.shape[1], k.shape[1],
-                                   q.shape[2], half, pq, *q.stride()[:3], *qo.stride()[:3], *k.stride()[:3],
-                                   *ko.stride()[:3], cb, cos.stride(1), BACKWARD=backward, QD=ROUNDED[qd.dtype],
-                                   QOD=ROUNDED[qod.dtype], KD=ROUNDED[kd.dtype], KOD=ROUNDED[kod.dtype], ROWS=rows, BH=bh)
+        key = ("rotary", backward, len(ins), q.shape, q.stride(), qo.stride(), k.shape, k.stride(), ko.stride(),
+               cos.shape, cos.stride(), q.dtype, qo.dtype, k.dtype, ko.dtype, cos.dtype, sin.dtype)
+        launch = triton_codec.planned(key, lambda: triton_codec.Launch("rotary", (pq + pk,), dict(
+            BACKWARD=backward, QD=ROUNDED[qd.dtype], QOD=ROUNDED[qod.dtype], KD=ROUNDED[kd.dtype],
+            KOD=ROUNDED[kod.dtype], ROWS=rows, BH=bh)))
+        launch(q, qo, k, ko, cos, sin, rq, rk, q.shape[1], k.shape[1], q.shape[2], half, pq, *q.stride()[:3],
+               *qo.stride()[:3], *k.stride()[:3], *ko.stride()[:3], cb, cos.stride(1))
     return outs

@@ -94,8 +94,8 @@ COMPILED_VARIANTS = {
                  dict(HAS_KEEP=True, BC=64)),
     "put_rows all kept": ("put_rows", {"out_ptr": "*fp32", "rows_ptr": "*fp32", "index_ptr": "*i64", "keep_ptr": "*i64"},
                           dict(HAS_KEEP=False, BC=64)),
-    "score": ("score", _score_types("*bf16"), dict(C=576, **_SCORE, ROW_SCALE=False)),
-    "score row-scaled": ("score", _score_types("*fp32"), dict(C=576, **_SCORE, ROW_SCALE=True)),
+    "score": ("score", _score_types("*bf16"), dict(_SCORE, C=576, ROW_SCALE=False)),
+    "score row-scaled": ("score", _score_types("*fp32"), dict(_SCORE, C=576, ROW_SCALE=True)),
     "select": ("select", {"work_ptr": "*i32", "index_ptr": "*i64", "keep_ptr": "*i8", "ratio": "fp32"},
                dict(SAMPLE=SAMPLE, BT=1024)),
     # kernels/triton_norm.py's, at the SmolLM2 shape's width (576: rows of 1024 values, 2 per program;

@@ -3,7 +3,8 @@ kernels compile for a simulated sm_90 device: :mod:`hf_division.analysis.simulat
 compresses and rebuilds one tensor twice with the same seed, once through Triton's dispatch and once
 through :mod:`hf_division.kernels.launcher` (after a first launch that keeps the kernels), and prints
 one JSON line per case: whether the launcher received the same launches, and how many launches went
-through Triton's dispatch on the launcher's second pass."""
+through Triton's dispatch, and how many built the launcher's key, on the launcher's second pass (none:
+each launch's plan keeps its kernel, :class:`hf_division.kernels.triton_codec.Launch`)."""
 import json
 import sys
 
@@ -14,10 +15,20 @@ from triton import knobs
 from hf_division.analysis.launches import gpu_path
 from hf_division.analysis.simulated_cuda import simulated_cuda
 from hf_division.compress.pipeline import compress, compress_row_scaled, decompress
-from hf_division.kernels import configured
+from hf_division.kernels import configured, launcher, triton_gated, triton_norm, triton_rotary
 
 dispatched = [0]
 _run = jit.JITFunction.run
+keyed = [0]
+_key = launcher.key
+
+
+def counted_key(*args, **kwargs):
+    keyed[0] += 1
+    return _key(*args, **kwargs)
+
+
+launcher.key = counted_key
 
 
 def counted_run(self, *args, **kwargs):
@@ -79,20 +90,49 @@ def cases():
     yield "row-scaled", x, rs, base
 
 
+def layer_pass(record, backward_too=True):
+    """The layer ops' kernels once each (the RMSNorm's rebuild and gradient, the gated product and
+    its gradient, the rotary embedding both ways) on fixed tensors: their launches."""
+    start = len(record)
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(2, 24, 64, generator=g).bfloat16(), torch.randn(64, generator=g)
+    y, rstd = triton_norm.rebuild(x, w, 1e-6)
+    triton_norm.gradients(torch.randn(y.shape, generator=g), x, rstd, w, torch.bfloat16, True, True)
+    gate, up = torch.randn(2, 24, 96, generator=g).bfloat16(), torch.randn(2, 24, 96, generator=g).bfloat16()
+    h = triton_gated.product(gate, up)
+    triton_gated.gradients(torch.randn(h.shape, generator=g).bfloat16(), gate, up, True, True)
+    q, k = torch.randn(2, 4, 24, 16, generator=g).bfloat16(), torch.randn(2, 2, 24, 16, generator=g).bfloat16()
+    cos, sin = torch.randn(1, 24, 16, generator=g), torch.randn(1, 24, 16, generator=g)
+    qo, ko = triton_rotary.rotate([(q, None), (k, None)], cos, sin, False)
+    triton_rotary.rotate([(qo, torch.bfloat16), (ko, torch.bfloat16)], cos, sin, True)
+    return launches_of(record, start)
+
+
 def main():
     hooked = []
     with gpu_path(), simulated_cuda() as record:
+        WATCHED[0] = 0
+        with configured(triton_launch=False):
+            triton_way = layer_pass(record)
+        with configured(triton_launch=True):
+            layer_pass(record)
+            before, keys = dispatched[0], keyed[0]
+            direct = layer_pass(record)
+            through_triton, keys = dispatched[0] - before, keyed[0] - keys
+        print(json.dumps({"case": "layer ops", "launches": len(direct), "same": direct == triton_way,
+                          "dispatched": through_triton, "keyed": keys,
+                          "first_difference": next(([a, b] for a, b in zip(triton_way, direct) if a != b), None)}))
         for name, x, rs, kw in cases():
             WATCHED[0] = x.data_ptr()
             with configured(triton_launch=False):
                 triton_way = one_pass(record, x, rs, kw)
             with configured(triton_launch=True):
                 one_pass(record, x, rs, kw)  # keeps the kernels (its launches through Triton)
-                before = dispatched[0]
+                before, keys = dispatched[0], keyed[0]
                 direct = one_pass(record, x, rs, kw)
-                through_triton = dispatched[0] - before
+                through_triton, keys = dispatched[0] - before, keyed[0] - keys
             print(json.dumps({"case": name, "launches": len(direct), "same": direct == triton_way,
-                              "dispatched": through_triton,
+                              "dispatched": through_triton, "keyed": keys,
                               "first_difference": next(([a, b] for a, b in zip(triton_way, direct) if a != b), None)}))
         # a launch hook added after the kernels were kept is called, with the launch's metadata, as
         # through Triton's dispatch
