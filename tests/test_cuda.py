@@ -154,8 +154,8 @@ def test_triton_codes_equal_the_reference_on_device(seed):
 
 @needs_cuda
 def test_kept_kernels_launch_as_tritons_dispatch_on_device():
-    """Launched again through hf_division/kernels/launcher.py (the ``triton_launch`` switch), the
-    kernels give what Triton's dispatch gives, to the bit, for an aligned tensor and a view 2 bytes
+    """Launched again through hf_division/kernels/launcher.py and each call site's plan (the
+    ``triton_launch`` and ``planned_launch`` switches), the kernels give what Triton's dispatch gives, to the bit, for an aligned tensor and a view 2 bytes
     off (a specialization of its own), on the current stream (a side stream here)."""
     flat = torch.randn(2 * 300 * 96 + 8, device=DEV).bfloat16()
     kw = dict(bits=4, block_size=16, group_size=256, outlier_ratio=4.0)

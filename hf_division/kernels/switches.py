@@ -43,6 +43,10 @@ class Switches:
     triton_launch: bool = _switch(
         "A Triton kernel launched again through the compiled kernel its first launch returned, kept under a key "
         "that determines Triton's specialization (kernels/launcher.py). Off: Triton's dispatch at every launch.")
+    planned_launch: bool = _switch(
+        "Each call site of a Triton kernel keeps its launch per shape (grid, constexprs, the compiled kernel per "
+        "device and pointer alignment) and launches it again without the launcher's key (kernels/triton_codec.py, "
+        "Launch; with `triton_launch` on). Off: every launch through kernels/launcher.py's key.")
     triton_rms_norm: bool = _switch(
         "Llama-form RMSNorm's rebuild and gradient in two fused Triton kernels where the compressor's Triton "
         "kernels run (kernels/triton_norm.py). Off: the formula in torch ops, about twenty kernels per norm.")

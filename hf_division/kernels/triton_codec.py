@@ -200,7 +200,8 @@ class Launch:
 
     def __call__(self, *args) -> None:
         ptrs = self.ptrs  # None until a first launch found the kernel compiled (not interpreted)
-        if ptrs is None or not switches().triton_launch:
+        on = switches()
+        if ptrs is None or not (on.triton_launch and on.planned_launch):
             self._first(args)
             return
         device = args[0].device

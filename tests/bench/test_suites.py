@@ -356,17 +356,19 @@ def test_dispatch_suite_times_tritons_launch_path(tmp_path):
     res = json.loads(out.read_text())
     steps, tensor = res["steps"], res["tensor"]
     assert all(0 < steps[arm]["forward_median"] < steps[arm]["median"] and steps[arm]["min"] <= steps[arm]["median"]
-               for arm in ("none", "division", "division-triton", "division-unfused", "division-mode", "division-kept",
-                           "checkpointing", "division+checkpointing"))
+               for arm in ("none", "division", "division-unplanned", "division-triton", "division-unfused",
+                           "division-mode", "division-kept", "checkpointing", "division+checkpointing"))
     assert "forward" in done.stdout
     assert steps["division-mode"]["triton_launches"] == steps["division"]["triton_launches"]
     assert all(0 < steps[arm]["min"] for arm in dispatch.COMPONENT_ARMS)
-    assert steps["division"]["triton_launches"] == steps["division-triton"]["triton_launches"] > 0
+    assert (steps["division"]["triton_launches"] == steps["division-unplanned"]["triton_launches"]
+            == steps["division-triton"]["triton_launches"] > 0)
     # the layer's two norms and the final one, a rebuild and a gradient kernel each; the layer's gated
     # MLP, a product and a gradient kernel; its rotary embedding, one kernel each way; or none of them
     assert steps["division"]["triton_launches"] - steps["division-unfused"]["triton_launches"] == 2 * 3 + 2 + 2
-    assert {way: t["launches"] for way, t in tensor.items()} == {"division": 5, "division-triton": 5}
-    assert "saved a launch" in done.stdout
+    assert {way: t["launches"] for way, t in tensor.items()} == {"division": 5, "division-unplanned": 5,
+                                                                  "division-triton": 5}
+    assert "saved a launch" in done.stdout and "by the plans" in done.stdout
 
 
 def test_suites_run_their_children_through_an_existing_module(monkeypatch, tmp_path):

@@ -15,9 +15,9 @@ from hf_division.kernels.switches import Switches
 
 def test_one_switch_board_reached_from_the_package():
     assert hf_division.configure is configure and hf_division.configured is configured
-    assert Switches.names() == ("native", "native_draws", "compile", "triton", "triton_launch", "triton_rms_norm",
-                                "triton_gated", "gated_from_codes", "shared_recomputation", "sdpa_backward",
-                                "rms_norm_backward", "rotary", "triton_rotary", "lazy_forward_mode")
+    assert Switches.names() == ("native", "native_draws", "compile", "triton", "triton_launch", "planned_launch",
+                                "triton_rms_norm", "triton_gated", "gated_from_codes", "shared_recomputation",
+                                "sdpa_backward", "rms_norm_backward", "rotary", "triton_rotary", "lazy_forward_mode")
     assert all(getattr(switches(), name) for name in Switches.names())  # all on by default
 
 

@@ -12,8 +12,9 @@ leave that path out (its kernels are counted, not launched).
 The shape's depth and layers at the ``launches`` suite's narrow width
 (:data:`~hf_division.bench.suites.launches.HOST_WIDTH`, its ``min_numel``), one training step per
 round, arms interleaved: ``none``; ``division``, its kernels launched again through
-:mod:`hf_division.kernels.launcher`; ``division-triton``, every launch through Triton's dispatch
-(the ``triton_launch`` switch off); ``division-unfused``, the norms' rebuild and gradient, the
+:mod:`hf_division.kernels.launcher`, each planned per shape (``triton_codec.Launch``);
+``division-unplanned``, each through the launcher's key (the ``planned_launch`` switch off);
+``division-triton``, every launch through Triton's dispatch (the ``triton_launch`` switch off); ``division-unfused``, the norms' rebuild and gradient, the
 gated MLPs' product and gradients and the rotary embedding in torch ops instead of
 :mod:`hf_division.kernels.triton_norm`'s, :mod:`hf_division.kernels.triton_gated`'s and
 :mod:`hf_division.kernels.triton_rotary`'s kernels (the ``triton_rms_norm``, ``triton_gated`` and
@@ -23,8 +24,8 @@ division with every saved tensor held as it is (no tensor reaches its ``min_nume
 Functions and store without the compressor; with ``--components``, :data:`COMPONENT_ARMS`, each
 division without one of its parts; ``checkpointing`` and ``division+checkpointing``, the cuda
 suite's arms of those names (Transformers' gradient checkpointing, its recomputation unpatched). Also the host's microseconds
-to compress and rebuild one bf16 tensor of ``--host-tokens`` x the shape's hidden size, through the
-launcher and through Triton's dispatch, and per launch.
+to compress and rebuild one bf16 tensor of ``--host-tokens`` x the shape's hidden size, planned,
+through the launcher's key and through Triton's dispatch, and per launch.
 """
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ from hf_division.kernels import configured, triton_codec
 
 #: the division arms' switches
 WAYS = {"division": dict(triton_launch=True), "division-triton": dict(triton_launch=False),
+        "division-unplanned": dict(planned_launch=False),
         "division-unfused": dict(triton_rms_norm=False, triton_gated=False, triton_rotary=False),
         "division-mode": dict(lazy_forward_mode=False)}
 #: the arms with Transformers' gradient checkpointing (the cuda suite's, on the stand-in)
@@ -62,7 +64,7 @@ CONFIG_ARMS = {"division-kept": dict(min_numel=KEPT_MIN_NUMEL)}
 COMPONENT_ARMS = {"division-no-outliers": dict(outlier_ratio=0.0), "division-no-row-scale": dict(norm_row_scale=False),
                   "division-exact-attention": dict(attention_bits=0), "division-exact-linear": dict(linear_bits=0)}
 #: the ways a saved tensor's compress and rebuild are timed (the fused kernels' switches do not reach them)
-LAUNCH_WAYS = ("division", "division-triton")
+LAUNCH_WAYS = ("division", "division-unplanned", "division-triton")
 
 
 def per_tensor(hidden: int, tokens: int, rounds: int) -> dict:
@@ -129,7 +131,8 @@ def report(res: dict, size: tuple[int, int], rounds: int) -> str:
     t = res["tensor"]
     lines.append(f"host per saved {res['tensor_shape']} bf16 tensor, compress + rebuild ({t['division']['launches']} launches): "
                  + ", ".join(f"{way} {t[way]['us']:.0f} us" for way in LAUNCH_WAYS)
-                 + f"; {(t['division-triton']['us'] - t['division']['us']) / t['division']['launches']:.1f} us saved a launch")
+                 + f"; {(t['division-triton']['us'] - t['division']['us']) / t['division']['launches']:.1f} us saved a launch"
+                 f" ({(t['division-unplanned']['us'] - t['division']['us']) / t['division']['launches']:.1f} by the plans)")
     return "\n".join(lines)
 
 
