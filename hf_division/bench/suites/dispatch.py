@@ -32,12 +32,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 
 from hf_division.analysis.launches import gpu_path
 from hf_division.analysis.simulated_cuda import simulated_cuda
-from hf_division.analysis.timing import median_time
+from hf_division.analysis.timing import interleaved_medians
 from hf_division.api import apply_division
 from hf_division.bench.suites import cuda as cuda_suite
 from hf_division.bench.suites.common import set_threads, suite_parser
@@ -69,22 +70,31 @@ LAUNCH_WAYS = ("division", "division-unplanned", "division-triton")
 
 def per_tensor(hidden: int, tokens: int, rounds: int) -> dict:
     """Per way: host microseconds to compress and rebuild one bf16 ``(tokens, hidden)`` tensor with the
-    defaults (median over blocks), its launches, and microseconds per launch."""
+    defaults (median over ``rounds // 100`` blocks of 100, the ways' blocks interleaved), its
+    launches, and microseconds per launch."""
     x, kw = saved_tensor(hidden, tokens)
-    out = {}
+    launches = {}
     with gpu_path(), simulated_cuda(keep=False) as launched:
         p = compress(x, **kw)
         decompress(p)
-        for way in LAUNCH_WAYS * 2:  # interleaved, each twice: the second kept
+        for way in LAUNCH_WAYS:  # each way's launches (and its kernels kept)
             with configured(**WAYS[way]):
                 n0 = launched.n
                 compress(x, **kw)
                 decompress(p)
-                launches = launched.n - n0
-                # median over blocks of 100 calls, after one block unmeasured
-                us = 1e4 * median_time(lambda: [(compress(x, **kw), decompress(p)) for _ in range(100)], rounds // 100)
-            out[way] = {"us": us, "launches": launches, "us_per_launch_all": us / launches}
-    return out
+                launches[way] = launched.n - n0
+
+        def block(way: str) -> float:
+            with configured(**WAYS[way]):
+                start = time.perf_counter()
+                for _ in range(100):
+                    compress(x, **kw)
+                    decompress(p)
+                return time.perf_counter() - start
+
+        medians = interleaved_medians(list(LAUNCH_WAYS), block, rounds // 100)
+    return {way: {"us": 1e4 * medians[way], "launches": launches[way],
+                  "us_per_launch_all": 1e4 * medians[way] / launches[way]} for way in LAUNCH_WAYS}
 
 
 def steps(shape: str, layers: int | None, size: tuple[int, int], rounds: int, autocast,
@@ -154,7 +164,7 @@ def main(argv=None):
     hidden = cuda_suite.SHAPES[args.shape]["hidden_size"]
     res = {"argv": argv, "shape": args.shape, "layers": args.layers, "size": args.size,
            "tensor_shape": f"{args.host_tokens}x{hidden}",
-           "tensor": per_tensor(hidden, args.host_tokens, 1000),
+           "tensor": per_tensor(hidden, args.host_tokens, 2000),
            "steps": steps(args.shape, args.layers, args.size, args.rounds, amp, args.components)}
     print(report(res, args.size, args.rounds), flush=True)
     if args.out:
