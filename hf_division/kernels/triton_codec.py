@@ -152,8 +152,8 @@ def launching() -> bool:
 def not_run():
     """Inside, launches are counted but not run: what the host spends around the kernels, timed
     alone (the ``launches`` suite), each launch's key included where :mod:`.launcher` would launch
-    it, or what its :class:`Launch` reads instead where planned (Triton's launch path itself is
-    timed by the ``dispatch`` suite). The outputs are left unwritten."""
+    it (a :class:`Launch` whose kernel is kept: what it reads instead). Triton's launch path itself
+    is timed by the ``dispatch`` suite. The outputs are left unwritten."""
     before, _launching["skip"] = _launching["skip"], True
     try:
         yield
