@@ -3,7 +3,8 @@
 OUT=dir python scripts/cuda_profile.py                 (PROBE_DEV=cpu: a tiny model on the CPU, to check the script)
 OUT=dir ARMS="none division" SHAPE=llama-1b SIZE=4x2048 python scripts/cuda_profile.py
     (arms: none, division, division-triton: division with every Triton launch through Triton's dispatch,
-    the triton_launch switch off; division-unfused: the RMSNorms' rebuild and gradient, the gated MLPs'
+    the triton_launch switch off; division-unplanned: every launch through the launcher's key, the
+    planned_launch switch off; division-unfused: the RMSNorms' rebuild and gradient, the gated MLPs'
     product and gradients and the rotary embedding in torch ops, the triton_rms_norm, triton_gated and
     triton_rotary switches off; checkpointing,
     division+checkpointing)
@@ -34,10 +35,10 @@ SHAPE = os.environ.get("SHAPE", "smollm2" if DEV == "cuda" else "tiny")
 B, T = parse_size(os.environ.get("SIZE", "8x1024" if DEV == "cuda" else "2x64"))
 ARMS = os.environ.get("ARMS", "none division division-triton division-unfused division+checkpointing").split()
 #: arms that are division with fast paths off: the switches they turn off
-SWITCHED = {"division-triton": {"triton_launch": False},
+SWITCHED = {"division-triton": {"triton_launch": False}, "division-unplanned": {"planned_launch": False},
             "division-unfused": {"triton_rms_norm": False, "triton_gated": False, "triton_rotary": False}}
 #: the fast paths' switches each arm's profile records as it ran
-RECORDED = ("triton_launch", "triton_rms_norm", "triton_gated", "triton_rotary")
+RECORDED = ("triton_launch", "planned_launch", "triton_rms_norm", "triton_gated", "triton_rotary")
 
 
 def profiled(step) -> dict:

@@ -180,16 +180,19 @@ def test_gpu_session_scripts_run_on_cpu(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     for script in ("gpu_session.sh", "prewarm_triton_cache.sh"):
         assert subprocess.run(["bash", "-n", os.path.join(root, "scripts", script)]).returncode == 0
-    env = dict(os.environ, OUT=str(tmp_path), PROBE_DEV="cpu", ARMS="none division division-triton division-unfused",
-               PYTHONPATH=root)
+    env = dict(os.environ, OUT=str(tmp_path), PROBE_DEV="cpu",
+               ARMS="none division division-triton division-unplanned division-unfused", PYTHONPATH=root)
     run = subprocess.run([sys.executable, os.path.join(root, "scripts", "cuda_profile.py")], env=env, cwd=root,
                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads((tmp_path / "profile.json").read_text())
-    assert res["shape"] == "tiny" and list(res["arms"]) == ["none", "division", "division-triton", "division-unfused"]
-    assert res["arms"]["division-unfused"]["switches"] == {"triton_launch": True, "triton_rms_norm": False,
-                                                           "triton_gated": False, "triton_rotary": False}
+    assert res["shape"] == "tiny" and list(res["arms"]) == ["none", "division", "division-triton", "division-unplanned",
+                                                            "division-unfused"]
+    assert res["arms"]["division-unfused"]["switches"] == {"triton_launch": True, "planned_launch": True,
+                                                           "triton_rms_norm": False, "triton_gated": False,
+                                                           "triton_rotary": False}
     assert res["arms"]["division-triton"]["switches"]["triton_launch"] is False
+    assert res["arms"]["division-unplanned"]["switches"]["planned_launch"] is False
     none, division = res["arms"]["none"], res["arms"]["division"]
     assert 0 < none["aten_calls"] < division["aten_calls"] and division["step_ms"] > 0
     assert none["launches"] == 0 and none["gpu_busy"] == 0  # no CUDA kernels on the CPU
