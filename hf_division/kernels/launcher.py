@@ -67,9 +67,7 @@ _triton: list = []  # Triton's runtime knobs and driver, imported at the first l
 def key(fn, args: tuple, meta: dict, options: dict):
     """``(the kernel's launches, what determines Triton's specialization of fn for this call, the
     device aside)``; the second None where a pointer argument is not a tensor."""
-    k = _kernels.get(id(fn))
-    if k is None:
-        k = _kernels[id(fn)] = _Kernel(fn)
+    k = _kernel(fn)
     n = len(args)
     ptrs, scalars = k.layout(n)
     s, p = scalars(args), ptrs(args)
@@ -143,10 +141,15 @@ def run_kept(entry: tuple, grid: tuple, args: tuple, meta: dict, options: dict) 
 def pointers(fn, n: int):
     """``args -> the pointer arguments among them`` for ``n`` positional arguments of ``fn`` (the
     parameters named ``*_ptr``)."""
+    return _kernel(fn).layout(n)[0]
+
+
+def _kernel(fn) -> _Kernel:
+    """``fn``'s :class:`_Kernel`, made at its first launch."""
     k = _kernels.get(id(fn))
     if k is None:
         k = _kernels[id(fn)] = _Kernel(fn)
-    return k.layout(n)[0]
+    return k
 
 
 def _give_up(err: Exception) -> None:
