@@ -75,9 +75,10 @@ def shortened(model, batch: dict, layers: int, vocab: int):
     """``(model, batch)``: a copy of ``model`` with its first ``layers`` layers and a vocabulary of the
     first ``vocab`` ids plus those in ``batch`` (their rows of the tied embedding, ids renumbered).
 
-    Why: bf16 matmuls of one layout take a slow path on CPUs without AVX-512 (a 376-token
-    ``grad @ weight`` of the 49,152-word head took 28 s in bf16 against 0.15 s in float32, torch
-    2.13), and every pass pays them; the layers' own behaviour is what these tests check."""
+    Why: on a CPU without AVX-512, torch's bf16 ``grad @ weight`` (the backward of every Linear)
+    takes a slow path (``scripts/cpu_bf16_matmul.py``: 24 s for the 49,152-word head on 376
+    tokens, against 0.13 s in float32), and every pass pays it; the layers' own behaviour is what
+    these tests check."""
     model = copy.deepcopy(model)
     ids = batch["input_ids"]
     keep = torch.unique(torch.cat([torch.arange(vocab), ids.flatten()]))
