@@ -87,7 +87,8 @@ def test_checkpointed_layer_inputs_held_precise_enough():
     and the whole gradient to 0.978 against division alone's 0.993 (a Llama-1B shape on a GPU:
     0.923). At ``checkpoint_bits`` (8) checkpointing costs no fidelity. A 1,024-word vocabulary: the
     head's bf16 ``grad @ weight`` takes a slow path on CPUs without AVX-512
-    (``scripts/cpu_bf16_matmul.py``), and the layers are what is checked (at 8,192 words the margins were the same to 0.001; the test took 135 s, now 46)."""
+    (``scripts/cpu_bf16_matmul.py``), and the layers are what is checked (at 8,192 words both
+    margins were the same to 0.001)."""
     from hf_division.analysis.fidelity import cosine
     from hf_division.bench.suites import cuda as cuda_suite
     from hf_division.bench.textdata import random_tokens
