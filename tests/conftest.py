@@ -16,7 +16,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("HF_DIVISION_TEST_REPATCH") != "1":
-    import interpreter_calls  # tests/: a quarter of the interpreter's time spared (its doc says how)
+    import interpreter_calls  # tests/: the interpreter spared its re-patching (its doc says why and how much)
 
     interpreter_calls.install()
 

@@ -5,9 +5,11 @@ kernel (Triton 3.9's ``InterpretedFunction.__call__``) patches ``triton.language
 five modules with ``inspect.getmembers``, although the launch (``GridExecutor.__call__``) has
 patched the same module objects already and keeps them patched until it ends. The kernels here
 call small device functions in their loops, so in an interpreted training step that re-patching
-took a quarter of the interpreter's time (cProfile of
-``tests/test_triton.py::test_a_training_step_through_the_kernels_matches_the_torch_path[None]``:
-``_patch_lang`` 38 s of 148). Nothing a kernel computes changes: :func:`install` leaves to Triton
+took a quarter of the interpreter's time under cProfile
+(``tests/test_triton.py::test_a_training_step_through_the_kernels_matches_the_torch_path[None]``:
+``_patch_lang`` 38 s of 148); without the profiler, tests/test_triton.py, tests/kernels and
+tests/analysis/test_gpu_resources.py took 272 s with it spared against 333 s on 2 workers
+(``HF_DIVISION_TEST_REPATCH=1`` for the latter). Nothing a kernel computes changes: :func:`install` leaves to Triton
 a call outside a launch and the first call in a launch of a device function whose module sees a
 language module the launch has not patched yet (``triton.language.core`` for ``tl.max``; Triton
 leaves that patch in place to the launch's end, as it leaves every device call's), and does
@@ -33,7 +35,7 @@ def install() -> bool:
     call = getattr(getattr(interpreter, "InterpretedFunction", None), "__call__", None)
     grid = getattr(getattr(interpreter, "GridExecutor", None), "__call__", None)
     names = getattr(getattr(call, "__code__", None), "co_names", ())
-    if grid is None or getattr(call, "_without_repatching", False) or not {"_patch_lang", "rewrite"} <= set(names):
+    if ORIGINAL or grid is None or not {"_patch_lang", "rewrite"} <= set(names):  # installed, or not as described
         return False
     langs_of: dict[int, frozenset] = {}  # id(function) -> the language modules its module sees
 
@@ -65,7 +67,6 @@ def install() -> bool:
         finally:
             stack.pop()
 
-    device_call._without_repatching = True
     ORIGINAL.update({interpreter.InterpretedFunction: call, interpreter.GridExecutor: grid})
     interpreter.InterpretedFunction.__call__ = device_call
     interpreter.GridExecutor.__call__ = launch
