@@ -69,5 +69,5 @@ timeout "$TABLE_S" python -m hf_division.bench cuda "${ARGS[@]}" 2>&1 | grep -v 
 [ "$(left)" -gt 30 ] && timeout "$(left)" python scripts/cuda_profile.py 2>&1 | grep -v "^\[transformers\]" \
   | tee "$OUT/profile.txt"
 # 4. the kernels' own tests on CUDA tensors, as time allows
-[ "$(left)" -gt 20 ] && timeout "$(left)" python -m pytest -q tests/test_triton.py -k "not compile_for_an_h200 and not training_step" \
+[ "$(left)" -gt 20 ] && timeout "$(left)" python -m pytest -q tests/test_triton.py -k "not compile_for_an_h200" \
   2>&1 | tail -5 | tee "$OUT/test_triton.txt"

@@ -59,9 +59,12 @@ def tiny_model(model_type: str, attn: str = "eager", seed: int = 0, **kw):
 
 def switched_steps(switch: str, device: str) -> tuple:
     """The cuda suite's ``tiny`` Llama with division (rounding to nearest) trains one step on the GPU's
-    path under bf16 autocast with the fast path ``switch`` on, then one with it off, after a set-up
-    step: ``(layers, {on: (the flat gradient, the step's KernelCounter)})``. How a layer kernel's
-    test checks that a step takes it, by its launches and against what it replaces."""
+    path under bf16 autocast with the fast path ``switch`` on, then one with it off:
+    ``(layers, {on: (the flat gradient, the step's KernelCounter)})``. How a layer kernel's test
+    checks that a step takes it, by its launches and against what it replaces. No set-up step
+    first: rounding to nearest draws no seed blocks, and a fresh model's first step on this path
+    runs the ops and launches of its second (one-time ops would show in the "on" step's counts,
+    which the rotary test compares exactly)."""
     import hf_division as hd
     from hf_division.analysis.fidelity import flat_grad
     from hf_division.analysis.launches import GPU_SWITCHES, KernelCounter
@@ -74,7 +77,6 @@ def switched_steps(switch: str, device: str) -> tuple:
     hd.apply_division(model, hd.DivisionConfig(rounding="nearest"))
     out = {}
     with configured(**GPU_SWITCHES):
-        flat_grad(model, batch, 0, torch.bfloat16)  # set-up
         for on in (True, False):
             with configured(**{switch: on}), KernelCounter() as counted:
                 out[on] = (flat_grad(model, batch, 0, torch.bfloat16), counted)

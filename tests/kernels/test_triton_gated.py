@@ -88,7 +88,7 @@ def test_where_the_kernels_decline():
 def test_gated_fn_takes_them_on_the_gpus_path():
     """A Llama step on the GPU's path under bf16 autocast: each layer's product and gradients through
     the kernels (two launches a layer more with them than without), the gradient that of torch's ops
-    to their rounding (float32 without autocast: tests/test_triton.py's steps)."""
+    to their rounding (float32 without autocast: tests/kernels/test_triton_steps.py)."""
     layers, steps = switched_steps("triton_gated", DEV)
     (grads_on, on), (grads_off, off) = steps[True], steps[False]
     assert on.triton - off.triton == 2 * layers
