@@ -26,11 +26,24 @@ def _forward(model, batch, seed):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("model_type", TYPES)
 def test_training_forward_bit_identical(model_type, impl, batch):
+    """The logits to the bit; and no KV cache, which the unpatched training forward of a decoder
+    returns (every layer's keys and values held whole beside their compressed copies), unless the
+    caller asks for one."""
     model = tiny_model(model_type, impl).train()
-    ref = _forward(model, batch, 3).logits
+    ref = _forward(model, batch, 3)
     hd.apply_division(model)
-    out = _forward(model, batch, 3).logits
-    assert torch.equal(ref, out)
+    out = _forward(model, batch, 3)
+    assert torch.equal(ref.logits, out.logits)
+    assert _cache(out) is None
+    if _cache(ref) is not None:
+        asked = _forward(model, {**batch, "use_cache": True}, 3)
+        assert torch.equal(ref.logits, asked.logits) and _cache(asked) is not None
+
+
+def _cache(out):
+    """The cache a model's output carries (Transformers 5.25 names it ``cache``; before,
+    ``past_key_values``), None for none."""
+    return out.get("cache", out.get("past_key_values"))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
