@@ -19,11 +19,17 @@ import argparse
 import os
 import sys
 
-import torch
+#: glibc reads these at start-up only (hf_division.bench.peak.MALLOC_ENV; checked against it below):
+#: set, before the libraries load, by running this file again
+_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+if __name__ == "__main__" and any(os.environ.get(k) != v for k, v in _MALLOC.items()):
+    os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, **_MALLOC))
 
-from hf_division.api import apply_division
-from hf_division.bench.peak import MALLOC_ENV, forked, step_peak
-from hf_division.bench.suites import cuda as cuda_suite
+import torch  # noqa: E402
+
+from hf_division.api import apply_division  # noqa: E402
+from hf_division.bench.peak import MALLOC_ENV, forked, step_peak  # noqa: E402
+from hf_division.bench.suites import cuda as cuda_suite  # noqa: E402
 
 #: (arm, use_cache passed: None for not passed)
 ARMS = [("none", None), ("none", False), ("division", True), ("division", None)]
@@ -68,13 +74,12 @@ def main(argv=None) -> None:
     ap.add_argument("--autocast", default="none", choices=["none", "bf16"])
     args = ap.parse_args(argv)
     args.size = tuple(int(v) for v in args.size.split("x"))
-    if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):  # glibc reads these at start-up only
-        os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, **MALLOC_ENV))
+    assert _MALLOC == MALLOC_ENV, "scripts/cache_peak.py's glibc settings differ from hf_division.bench.peak's"
     print(f"{args.shape} shape, {args.layers} layers, {args.size[0]} x {args.size[1]} tokens, autocast {args.autocast}")
     print(f"{'arm':<10} {'use_cache passed':>16} {'cache MiB':>10} {'step peak MiB':>14}")
     for r in forked(job, [(arm, args) for arm in ARMS]):
         passed = "not passed" if r["use_cache"] is None else str(r["use_cache"])
-        print(f"{r['arm']:<10} {passed:>16} {r['cache_mib']:>10.1f} {r['peak_mib']:>14.1f}")
+        print(f"{r['arm']:<10} {passed:>16} {r['cache_mib']:>10.2f} {r['peak_mib']:>14.1f}")
 
 
 if __name__ == "__main__":
