@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import sys
 import warnings
 import weakref
@@ -201,23 +200,15 @@ def patch_root(state: PatchState, model: nn.Module, repatch) -> None:
     functional (OPT calls ``F.dropout`` directly), keeps its mask as bits: the forward runs under a
     ``TorchFunctionMode`` (:class:`~hf_division.autograd.forward_mode.ForwardMode`) that routes ``F.dropout``
     to :class:`DropoutFn`, and lets a dtype cast of a held tensor share its copy; (3) the rounding noise
-    comes from the model's own streams (:func:`~hf_division.compress.noise.model_stream`); (4) a
-    model whose forward takes ``use_cache`` gets ``use_cache=False`` unless the caller passed it:
-    a KV cache built in training (Transformers builds one from ``config.use_cache`` unless
-    checkpointing is on) keeps every layer's keys and values whole until the output is dropped,
-    which autograd holds anyway in the unpatched model but beside division's compressed copies
-    doubles what it holds of them (docs/DESIGN.md, "Bit-identical forward")."""
+    comes from the model's own streams (:func:`~hf_division.compress.noise.model_stream`)."""
     config = state.config
     state.n_modules = sum(1 for _ in model.modules())
-    cache_at = _use_cache_position(model)
 
     def make(orig):
         def forward(self, *args, **kwargs):
             if not in_training(self):
                 return orig(*args, **kwargs)
             _refresh(state, self, repatch)
-            if cache_at is not None and kwargs.get("use_cache") is None and len(args) <= cache_at:
-                kwargs["use_cache"] = False  # (4) of the docstring: the caller did not ask for a cache
             signature, mode = _forward_mode(state, args, kwargs)
             with model_stream(self), padding_of(kwargs.get("attention_mask")), mode:
                 out = orig(*args, **kwargs)
@@ -228,16 +219,6 @@ def patch_root(state: PatchState, model: nn.Module, repatch) -> None:
         return forward
 
     wrap_forward(state, model, make)
-
-
-def _use_cache_position(model: nn.Module) -> int | None:
-    """How many positional arguments precede ``use_cache`` in the forward of ``model``'s class
-    (``self`` aside); None where it takes no such parameter (a forward of ``**kwargs`` only)."""
-    try:
-        names = list(inspect.signature(type(model).forward).parameters)
-    except (TypeError, ValueError):
-        return None
-    return names.index("use_cache") - 1 if "use_cache" in names else None
 
 
 #: a forward left out of :class:`ForwardMode` runs under it again every this many training forwards

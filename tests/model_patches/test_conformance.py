@@ -26,24 +26,29 @@ def _forward(model, batch, seed):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("model_type", TYPES)
 def test_training_forward_bit_identical(model_type, impl, batch):
-    """The logits to the bit; and no KV cache, which the unpatched training forward of a decoder
-    returns (every layer's keys and values held whole beside their compressed copies), unless the
-    caller asks for one."""
     model = tiny_model(model_type, impl).train()
-    ref = _forward(model, batch, 3)
+    ref = _forward(model, batch, 3).logits
     hd.apply_division(model)
-    out = _forward(model, batch, 3)
-    assert torch.equal(ref.logits, out.logits)
-    assert _cache(out) is None
-    if _cache(ref) is not None:
-        asked = _forward(model, {**batch, "use_cache": True}, 3)
-        assert torch.equal(ref.logits, asked.logits) and _cache(asked) is not None
+    out = _forward(model, batch, 3).logits
+    assert torch.equal(ref, out)
 
 
-def _cache(out):
-    """The cache a model's output carries (Transformers 5.25 names it ``cache``; before,
-    ``past_key_values``), None for none."""
-    return out.get("cache", out.get("past_key_values"))
+@pytest.mark.parametrize("use_cache", [None, False])
+def test_training_forward_with_packed_position_ids_bit_identical(use_cache):
+    """Position ids that restart inside a row (padding-free packing, no attention mask) and the
+    caller's ``use_cache`` as given: the unpatched model's logits to the bit. Transformers reads
+    packing from the position ids only where no cache is built (``masking_utils``), and a training
+    forward builds one from ``config.use_cache``: division must not change whether it does, nor
+    the mask that follows (a cache-less forward also reads the packing back on the host)."""
+    model = tiny_model("llama", "sdpa").train()
+    batch = {k: v for k, v in tiny_batch(model_type="llama").items() if k != "attention_mask"}
+    b, t = batch["input_ids"].shape
+    batch["position_ids"] = torch.cat([torch.arange(t // 2), torch.arange(t - t // 2)]).expand(b, -1)
+    if use_cache is not None:
+        batch["use_cache"] = use_cache
+    ref = _forward(model, batch, 3).logits
+    hd.apply_division(model)
+    assert torch.equal(ref, _forward(model, batch, 3).logits)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
