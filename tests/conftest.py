@@ -31,12 +31,22 @@ from hf_division.kernels import triton_codec
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS) if _WORKERS else 2)
 
-#: the Triton kernels' tests run on a CUDA device, or on CPU tensors under Triton's interpreter
+#: the Triton kernels' tests run on a CUDA device, or on CPU tensors under Triton's interpreter,
+#: each on the Triton path (:func:`triton_path`)
 TRITON_MARKS = [
     pytest.mark.skipif(not triton_codec.available(), reason="Triton is not installed (pip install hf-division[test])"),
     pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                        reason="no CUDA device and TRITON_INTERPRET is not 1"),
+    pytest.mark.usefixtures("triton_path"),
 ]
+
+
+@pytest.fixture
+def triton_path():
+    """The test's tensors on the Triton kernels' path, CPU tensors included (``triton_codec.on_cpu``):
+    every test marked :data:`TRITON_MARKS`; a reference inside it turns the kernels off itself."""
+    with triton_codec.on_cpu():
+        yield
 #: one unit in the last place of each float dtype, relative
 ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 

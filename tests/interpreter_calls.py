@@ -5,11 +5,11 @@ kernel (Triton 3.9's ``InterpretedFunction.__call__``) patches ``triton.language
 five modules with ``inspect.getmembers``, although the launch (``GridExecutor.__call__``) has
 patched the same module objects already and keeps them patched until it ends. The kernels here
 call small device functions in their loops, so in an interpreted training step that re-patching
-took a quarter of the interpreter's time under cProfile
-(``tests/kernels/test_triton_steps.py::test_a_training_step_through_the_kernels_matches_the_torch_path[None]``,
-then in tests/test_triton.py: ``_patch_lang`` 38 s of 148); without the profiler, tests/test_triton.py
-(the steps then included), tests/kernels and tests/analysis/test_gpu_resources.py took 272 s with
-it spared against 333 s on 2 workers (``HF_DIVISION_TEST_REPATCH=1`` for the latter). Nothing a
+took a quarter of the interpreter's time under cProfile (``_patch_lang`` 38 s of 148 in
+``test_a_training_step_through_the_kernels_matches_the_torch_path[None]``, now in
+tests/kernels/test_triton_steps.py); without the profiler, tests/test_triton.py (those steps
+then in it), tests/kernels and tests/analysis/test_gpu_resources.py took 272 s with it spared
+against 333 s on 2 workers (``HF_DIVISION_TEST_REPATCH=1`` for the latter). Nothing a
 kernel computes changes: :func:`install` leaves to Triton a call outside a launch and the first
 call in a launch of a device function whose module sees a language module the launch has not
 patched yet (``triton.language.core`` for ``tl.max``; Triton leaves that patch in place to the

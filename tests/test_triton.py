@@ -36,13 +36,6 @@ LFC = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torc
 REFERENCE = dict(triton=False, native=False, compile=False)
 
 
-@pytest.fixture(autouse=True)
-def _triton_path():
-    """Every test on the Triton path, CPU tensors included; references under :data:`REFERENCE`."""
-    with tc.on_cpu():
-        yield
-
-
 def _tokens(m, t, c, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, t, c, generator=g) * torch.linspace(0.05, 4, c) + torch.randn(1, 1, c, generator=g)

@@ -122,8 +122,9 @@ def test_padding_free_packed_batch_gradient(attn):
     batch = {"input_ids": ids, "position_ids": position_ids, "labels": ids, "use_cache": False}
     exact = named_grads(model, batch, 0, None)
     whole = torch.cat(list(exact.values()))
+    large = [k for k in exact if exact[k].norm() >= 0.01 * whole.norm()]
     hd.apply_division(model)
     for seed in range(3):
         grads = named_grads(model, batch, seed, None)
         assert cosine(whole, torch.cat(list(grads.values()))) > 0.995
-        assert min(cosine(exact[k], grads[k]) for k in exact if exact[k].norm() >= 0.01 * whole.norm()) > 0.99
+        assert min(cosine(exact[k], grads[k]) for k in large) > 0.99

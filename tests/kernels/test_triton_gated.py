@@ -12,19 +12,12 @@ import torch.nn.functional as F
 from hf_division.analysis.fidelity import cosine
 from hf_division.analysis.launches import KernelCounter
 from hf_division.kernels import configured
-from hf_division.kernels import triton_codec as tc
 from hf_division.kernels import triton_gated
 
 from conftest import TRITON_MARKS, ULP, switched_steps
 
 pytestmark = TRITON_MARKS
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(autouse=True)
-def _triton_path():
-    with tc.on_cpu():
-        yield
 
 
 def _tensors(dtype, shape=(3, 37, 50), seed=0):

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from hf_division.analysis.launches import KernelCounter
 from hf_division.autograd import rms_norm
 from hf_division.kernels import configured
-from hf_division.kernels import triton_codec as tc
 from hf_division.kernels import triton_norm
 
 from conftest import TRITON_MARKS, ULP
@@ -22,12 +21,6 @@ from conftest import TRITON_MARKS, ULP
 pytestmark = TRITON_MARKS
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def _triton_path():
-    with tc.on_cpu():
-        yield
 
 
 def _inputs(tokens, channels, scale, dtype, wdtype, seed):

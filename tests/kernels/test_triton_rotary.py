@@ -24,12 +24,6 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@pytest.fixture(autouse=True)
-def _triton_path():
-    with tc.on_cpu():
-        yield
-
-
 def _inputs(gen, b, heads, kv, t, e, batch_cos, transposed, q_dtype, cos_dtype, special=False):
     """q as Llama's attention makes it (a transposed view of the projection) or contiguous, scaled so
     that products round in every dtype; ``special``: zeros of both signs and an infinity in q, a NaN

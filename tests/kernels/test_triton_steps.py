@@ -20,13 +20,6 @@ from conftest import TRITON_MARKS
 pytestmark = TRITON_MARKS
 
 
-@pytest.fixture(autouse=True)
-def _triton_path():
-    """Every step on the Triton path, CPU tensors included."""
-    with tc.on_cpu():
-        yield
-
-
 @pytest.mark.parametrize("amp", [None, torch.bfloat16])
 def test_a_training_step_through_the_kernels_matches_the_torch_path(amp):
     """A Llama step (2 layers, sdpa) with every saved tensor through the Triton kernels, rounding to
