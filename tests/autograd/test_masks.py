@@ -104,14 +104,16 @@ def test_gradient_same_as_with_the_mask_held_whole(attn, monkeypatch):
     assert bits < whole
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_padding_free_packed_batch_gradient(attn):
+@pytest.mark.parametrize("attn,amp", [("eager", None), ("sdpa", None), ("sdpa", torch.bfloat16),
+                                      ("eager", torch.float16)])
+def test_padding_free_packed_batch_gradient(attn, amp):
     """A padding-free packed batch, as TRL's padding-free collator trains one: three sequences per
     row of 96 tokens (37, 45 and 14, off the 16-token block), position ids restarting at each, no
     attention mask, ``use_cache=False`` (Transformers builds the packing mask from the position ids
-    only without a cache). The gradient against the unpatched model's, over 3 draws, whole and per
-    tensor (those with at least 1% of the norm). The mask decides it: the unpatched gradient with
-    the packing left out (a cache present) reads 0.77 whole and 0.49 per tensor against it."""
+    only without a cache); float32 and under bf16 and fp16 autocast. The gradient against the
+    unpatched model's at the same precision, over 3 draws, whole and per tensor (those with at
+    least 1% of the norm). The mask decides it: the unpatched gradient with the packing left out (a
+    cache present) reads 0.77 whole and 0.49 per tensor against it."""
     from hf_division.analysis.fidelity import cosine, named_grads
     from hf_division.bench.suites import cuda as cuda_suite
 
@@ -120,11 +122,11 @@ def test_padding_free_packed_batch_gradient(attn):
     ids = torch.randint(1, 512, (2, 96), generator=torch.Generator().manual_seed(0))
     position_ids = torch.cat([torch.arange(37), torch.arange(45), torch.arange(14)]).expand(2, -1)
     batch = {"input_ids": ids, "position_ids": position_ids, "labels": ids, "use_cache": False}
-    exact = named_grads(model, batch, 0, None)
+    exact = named_grads(model, batch, 0, amp)
     whole = torch.cat(list(exact.values()))
     large = [k for k in exact if exact[k].norm() >= 0.01 * whole.norm()]
     hd.apply_division(model)
     for seed in range(3):
-        grads = named_grads(model, batch, seed, None)
+        grads = named_grads(model, batch, seed, amp)
         assert cosine(whole, torch.cat(list(grads.values()))) > 0.995
         assert min(cosine(exact[k], grads[k]) for k in large) > 0.99
