@@ -31,6 +31,21 @@ from hf_division.kernels import triton_codec
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS) if _WORKERS else 2)
 
+def pytest_configure(config):
+    # a file of 40 s or more of test time (--durations=0 on a 2-core machine) has pytest.mark.heavy
+    # in its pytestmark
+    config.addinivalue_line("markers", "heavy: a test file among the suite's slowest; pytest-xdist starts it first")
+    # --dist loadfile hands each worker whole files, by default those with the most tests first: the
+    # few-test files that take minutes (a real model's load, two launched processes) came last and
+    # one worker ran them alone at the end. The collection's order instead, heavy files first.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)  # stable: files stay whole
+
+
 #: the Triton kernels' tests run on a CUDA device, or on CPU tensors under Triton's interpreter,
 #: each on the Triton path (:func:`triton_path`)
 TRITON_MARKS = [

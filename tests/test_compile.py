@@ -15,6 +15,8 @@ from hf_division.analysis.fidelity import flat_grad
 
 from conftest import tiny_batch, tiny_model
 
+pytestmark = pytest.mark.heavy
+
 
 def _step(compiled, model, batch, seed=0):
     model.zero_grad(set_to_none=True)

@@ -27,7 +27,7 @@ from hf_division.quant.exact_tokens import split_static
 
 from conftest import CHILD_TIMEOUT_S, TRITON_MARKS
 
-pytestmark = TRITON_MARKS
+pytestmark = [*TRITON_MARKS, pytest.mark.heavy]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 LFC = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

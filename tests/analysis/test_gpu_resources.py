@@ -14,6 +14,8 @@ from hf_division.kernels.triton_variants import COMPILED_VARIANTS
 
 from conftest import CHILD_TIMEOUT_S
 
+pytestmark = pytest.mark.heavy
+
 #: the least warps each kernel keeps resident on a multiprocessor: 8 is two programs of 4 warps,
 #: or one of 8 (the RMSNorm gradient at its widest rows, 32 values a thread)
 MIN_RESIDENT_WARPS = 8

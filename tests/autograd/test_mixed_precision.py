@@ -16,6 +16,8 @@ from hf_division import api
 from hf_division import Trainer, TrainingArguments
 from hf_division.compress.pipeline import compress, decompress
 
+pytestmark = pytest.mark.heavy
+
 FP16_MAX = torch.finfo(torch.float16).max
 
 

@@ -21,6 +21,8 @@ from hf_division.bench.zoo import family_model
 
 from conftest import CHILD_TIMEOUT_S, tiny_batch, tiny_model
 
+pytestmark = pytest.mark.heavy
+
 OPTIONAL = {"peft": "peft"}  # suite -> the optional package it needs
 
 

@@ -55,7 +55,7 @@ SCRIPTS = os.path.join(ROOT, "scripts")
 # runs without pytest's conftest. A test launches at most twice, each bounded by its own timeout
 # and the kill after it; pytest's per-test timeout (pyproject.toml) stays the last resort
 LAUNCH_TIMEOUT_S = 240
-pytestmark = pytest.mark.timeout(2 * (LAUNCH_TIMEOUT_S + 60) + 60)
+pytestmark = [pytest.mark.timeout(2 * (LAUNCH_TIMEOUT_S + 60) + 60), pytest.mark.heavy]
 
 #: The bounds below were set from the worst figures over seeds 0-4 and every run compared (the 8
 #: FSDP cases and the 2 scripts), printed by ``python tests/integrations/test_distributed.py figures``.

@@ -19,7 +19,7 @@ from hf_division.kernels import triton_rotary
 
 from conftest import TRITON_MARKS, switched_steps
 
-pytestmark = TRITON_MARKS
+pytestmark = [*TRITON_MARKS, pytest.mark.heavy]
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

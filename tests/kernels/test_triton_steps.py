@@ -17,7 +17,7 @@ from hf_division.kernels import triton_codec as tc
 
 from conftest import TRITON_MARKS
 
-pytestmark = TRITON_MARKS
+pytestmark = [*TRITON_MARKS, pytest.mark.heavy]
 
 
 @pytest.mark.parametrize("amp", [None, torch.bfloat16])

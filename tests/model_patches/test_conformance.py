@@ -7,6 +7,8 @@ from model_patches import falcon
 
 from conftest import case, tiny_batch, tiny_model
 
+pytestmark = pytest.mark.heavy
+
 TYPES = hd.supported_model_types()
 INLINE_ATTENTION = ("falcon",) if falcon.INLINE else ()
 IMPLS = ["eager", "sdpa"]

@@ -24,6 +24,8 @@ from hf_division.compress.noise import reseed
 
 from conftest import tiny_model
 
+pytestmark = pytest.mark.heavy
+
 TYPES = hd.supported_model_types()
 DECODERS = {"falcon", "gemma", "gemma2", "gemma3_text", "gpt2", "gpt_neox", "llama", "mistral", "mixtral", "opt", "phi",
             "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}

@@ -13,6 +13,8 @@ from hf_division.analysis.fidelity import cosine, flat_grad, gradient_fidelity
 from hf_division.bench.textdata import BUNDLED_SST2_DEV, causal_lm_batch
 from hf_division.bench.zoo import load_smollm2, smollm2_dir
 
+pytestmark = pytest.mark.heavy
+
 
 @pytest.fixture(scope="module")
 def loaded():
