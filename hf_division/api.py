@@ -59,7 +59,9 @@ def apply_division(model: nn.Module, config: DivisionConfig | None = None) -> nn
         )
     try:
         _patch_all(base, state, patcher)
-        patch_root(state, base, lambda: _patch_new_modules(base, state, patcher))
+        found = family(model_type)
+        patch_root(state, base, lambda: _patch_new_modules(base, state, patcher),
+                   dynamic_cache=found is not None and found.dynamic_cache)
     except BaseException:
         _undo(base, state)
         raise

@@ -25,12 +25,16 @@ from typing import Callable, Mapping
 
 @dataclass(frozen=True)
 class Family:
-    """How to patch one architecture: ``apply(model, state)``, its default config fields, and
-    ``by_shape(model_config)``: the fields whose default differs again for a model of that shape."""
+    """How to patch one architecture: ``apply(model, state)``, its default config fields,
+    ``by_shape(model_config)``: the fields whose default differs again for a model of that shape,
+    and ``dynamic_cache``: whether its models are decoders that build a ``DynamicCache`` in a
+    training forward (division gives them one that holds nothing:
+    :mod:`hf_division.patching.training_cache`)."""
 
     apply: Callable
     defaults: Mapping = field(default_factory=dict)
     by_shape: Callable[[object], Mapping] | None = None
+    dynamic_cache: bool = False
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -60,15 +64,17 @@ def _load(model_type: str | None) -> None:
         importlib.import_module(f"{FAMILY_PACKAGE}.{module}")
 
 
-def register(*model_types: str, defaults: Mapping | None = None, by_shape: Callable[[object], Mapping] | None = None):
+def register(*model_types: str, defaults: Mapping | None = None, by_shape: Callable[[object], Mapping] | None = None,
+             dynamic_cache: bool = False):
     """Decorator: register a patcher ``apply(model, state)`` for ``model_types``; returns it.
     ``defaults``: the config fields whose measured default differs for them; ``by_shape``: given a
-    model's ``config``, the fields whose default differs again for that model (e.g. by width)."""
+    model's ``config``, the fields whose default differs again for that model (e.g. by width);
+    ``dynamic_cache``: :attr:`Family.dynamic_cache`."""
     if not model_types:
         raise ValueError("register: name at least one model_type")
 
     def decorate(apply: Callable) -> Callable:
-        family = Family(apply, MappingProxyType(dict(defaults or {})), by_shape)
+        family = Family(apply, MappingProxyType(dict(defaults or {})), by_shape, dynamic_cache)
         for model_type in model_types:
             if model_type in _FAMILIES and _FAMILIES[model_type].apply is not apply:
                 raise ValueError(f"hf-division: model_type {model_type!r} is registered twice")

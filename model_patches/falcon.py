@@ -21,4 +21,4 @@ from .falcon_inline import apply_inline
 #: not switched to ``division_<impl>``
 INLINE = "alibi" in inspect.signature(FalconAttention.forward).parameters
 
-apply_division_to_falcon = register("falcon", defaults=DECODER_DEFAULTS)(apply_inline if INLINE else encoder_patcher())
+apply_division_to_falcon = register("falcon", defaults=DECODER_DEFAULTS, dynamic_cache=True)(apply_inline if INLINE else encoder_patcher())

@@ -7,6 +7,6 @@ from hf_division.registry import register
 
 from .common import GATED_DECODER_DEFAULTS, gated_by_shape, gated_decoder_patcher
 
-apply_division_to_gemma3 = register("gemma3_text", defaults=GATED_DECODER_DEFAULTS, by_shape=gated_by_shape)(
+apply_division_to_gemma3 = register("gemma3_text", defaults=GATED_DECODER_DEFAULTS, by_shape=gated_by_shape, dynamic_cache=True)(
     gated_decoder_patcher(Gemma3RMSNorm, Gemma3MLP, attention_type=Gemma3Attention)
 )

@@ -5,4 +5,4 @@ from hf_division.registry import register
 
 from .common import DECODER_DEFAULTS, encoder_patcher
 
-apply_division_to_opt = register("opt", defaults=DECODER_DEFAULTS)(encoder_patcher())
+apply_division_to_opt = register("opt", defaults=DECODER_DEFAULTS, dynamic_cache=True)(encoder_patcher())

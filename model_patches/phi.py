@@ -4,4 +4,4 @@ from hf_division.registry import register
 
 from .common import DECODER_DEFAULTS, encoder_patcher
 
-apply_division_to_phi = register("phi", defaults=DECODER_DEFAULTS)(encoder_patcher())
+apply_division_to_phi = register("phi", defaults=DECODER_DEFAULTS, dynamic_cache=True)(encoder_patcher())

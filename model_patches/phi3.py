@@ -5,6 +5,6 @@ from hf_division.registry import register
 
 from .common import GATED_DECODER_DEFAULTS, gated_by_shape, gated_decoder_patcher
 
-apply_division_to_phi3 = register("phi3", defaults=GATED_DECODER_DEFAULTS, by_shape=gated_by_shape)(
+apply_division_to_phi3 = register("phi3", defaults=GATED_DECODER_DEFAULTS, by_shape=gated_by_shape, dynamic_cache=True)(
     gated_decoder_patcher(Phi3RMSNorm, Phi3MLP, up_first=True, attention_type=Phi3Attention)
 )

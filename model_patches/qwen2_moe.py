@@ -13,7 +13,7 @@ from hf_division.registry import register
 
 from .common import GATED_DECODER_DEFAULTS, gated_by_shape, moe_patcher
 
-apply_division_to_qwen2_moe = register("qwen2_moe", defaults=GATED_DECODER_DEFAULTS, by_shape=gated_by_shape)(
+apply_division_to_qwen2_moe = register("qwen2_moe", defaults=GATED_DECODER_DEFAULTS, by_shape=gated_by_shape, dynamic_cache=True)(
     moe_patcher(Qwen2MoeRMSNorm, Qwen2MoeMLP, Qwen2MoeSparseMoeBlock, Qwen2MoeTopKRouter,
                 attention_type=Qwen2MoeAttention)
 )

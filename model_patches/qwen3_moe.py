@@ -12,6 +12,6 @@ from hf_division.registry import register
 
 from .common import GATED_DECODER_DEFAULTS, gated_by_shape, moe_patcher
 
-apply_division_to_qwen3_moe = register("qwen3_moe", defaults=GATED_DECODER_DEFAULTS, by_shape=gated_by_shape)(
+apply_division_to_qwen3_moe = register("qwen3_moe", defaults=GATED_DECODER_DEFAULTS, by_shape=gated_by_shape, dynamic_cache=True)(
     moe_patcher(Qwen3MoeRMSNorm, Qwen3MoeMLP, Qwen3MoeExperts, Qwen3MoeTopKRouter, attention_type=Qwen3MoeAttention)
 )

@@ -32,6 +32,7 @@ from hf_division.autograd.forward_mode import ForwardMode
 from hf_division.autograd.ops import CheckpointFn, GatedFn, LinearFn, RecomputeFn
 from hf_division.autograd.saved_hooks import compressed_saves
 from hf_division.autograd.padding import padding_of
+from hf_division.patching.training_cache import CacheSlot
 from hf_division.patching.wrappers import (
     PatchState, config_for, forget_lost, in_training, unpatched_forward, wrap_forward,
 )
@@ -192,7 +193,7 @@ def patch_gated_body(state: PatchState, mlp: nn.Module, act: nn.Module, body) ->
     wrap_forward(state, mlp, make)
 
 
-def patch_root(state: PatchState, model: nn.Module, repatch) -> None:
+def patch_root(state: PatchState, model: nn.Module, repatch, dynamic_cache: bool = False) -> None:
     """The model's own forward: in training, (1) modules added after patching (PEFT's
     ``get_peft_model`` after ``apply_division`` adds ``lora_A``/``lora_B``) get patched before they
     run, by calling ``repatch`` when the module count changed, and modules whose forward another
@@ -200,18 +201,28 @@ def patch_root(state: PatchState, model: nn.Module, repatch) -> None:
     functional (OPT calls ``F.dropout`` directly), keeps its mask as bits: the forward runs under a
     ``TorchFunctionMode`` (:class:`~hf_division.autograd.forward_mode.ForwardMode`) that routes ``F.dropout``
     to :class:`DropoutFn`, and lets a dtype cast of a held tensor share its copy; (3) the rounding noise
-    comes from the model's own streams (:func:`~hf_division.compress.noise.model_stream`)."""
-    config = state.config
+    comes from the model's own streams (:func:`~hf_division.compress.noise.model_stream`); (4) with
+    ``dynamic_cache`` (a decoder family's :attr:`~hf_division.registry.Family.dynamic_cache`), the
+    KV cache the forward would build for itself is one that holds nothing
+    (:mod:`~hf_division.patching.training_cache`)."""
     state.n_modules = sum(1 for _ in model.modules())
+    slot = CacheSlot(model) if dynamic_cache else None
 
     def make(orig):
         def forward(self, *args, **kwargs):
             if not in_training(self):
                 return orig(*args, **kwargs)
             _refresh(state, self, repatch)
+            cache = None if slot is None else slot.unheld(self, args, kwargs)
+            if cache is not None:
+                kwargs[slot.name] = cache
             signature, mode = _forward_mode(state, args, kwargs)
-            with model_stream(self), padding_of(kwargs.get("attention_mask")), mode:
-                out = orig(*args, **kwargs)
+            try:
+                with model_stream(self), padding_of(kwargs.get("attention_mask")), mode:
+                    out = orig(*args, **kwargs)
+            finally:
+                if cache is not None:
+                    cache.closed = True
             if signature is not None:
                 state.modes[signature] = state.modes.get(signature, False) or mode.routed > 0
             return out

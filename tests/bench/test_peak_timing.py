@@ -174,3 +174,21 @@ def test_median_time_is_the_median_after_a_warm_up():
 
     t = median_time(fn, rounds=5)
     assert len(calls) == 6 and t < 0.01  # the median of 0 .04 0 0 .04 (their mean: .016; with the warm-up: .02)
+
+
+def test_cache_peak_script_reports_the_cache_division_holds():
+    """``scripts/cache_peak.py`` (docs/DESIGN.md, "The training KV cache") on one layer of the tiny
+    shape, a classifier with LoRA: the unpatched step's cache and division's with
+    ``use_cache=True`` hold the same bytes, division's own none; each arm's peak is measured."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run([sys.executable, os.path.join(root, "scripts", "cache_peak.py"), "--shape", "tiny",
+                          "--layers", "1", "--size", "2x64", "--head", "cls", "--lora"], capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith(("none ", "division "))]
+    cache = {(r[0], " ".join(r[1:-2])): float(r[-2]) for r in rows}
+    assert cache[("none", "not passed")] > 0 and cache[("division", "True")] == cache[("none", "not passed")]
+    assert cache[("division", "not passed")] == 0
+    assert all(float(r[-1]) > 0 for r in rows) and len(rows) == 3

@@ -1,0 +1,90 @@
+"""A KV cache that holds nothing, for a decoder's training forward with division.
+
+Why: Transformers' decoders build a ``DynamicCache`` in every forward where ``config.use_cache`` is
+on and checkpointing is off, training included. In the unpatched model the cache's keys and values
+are the tensors autograd keeps for the attention's backward, so the cache costs nothing more; with
+division autograd keeps compressed copies, and the cache held every layer's keys and values whole
+beside them until the output was dropped (docs/DESIGN.md, "The training KV cache").
+
+:class:`UnheldCache` is a ``DynamicCache`` in all the forward sees: the same layers (sliding-window
+ones included), the same masks (built from it while it is empty, as from a fresh cache) and the same
+keys and values from ``update`` (each layer's own ``update`` runs on a copy of its empty layer). It
+drops each layer's tensors when that ``update`` returns. Once the forward has returned it is
+closed: continuing from it raises, where a cache emptied in silence would have the next forward
+attend to none of the past.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+
+from torch import nn
+from transformers import DynamicCache
+
+#: the cache's parameter in a model's forward: ``cache`` from Transformers 5.25 on, which still
+#: takes ``past_key_values`` as a deprecated keyword
+CACHE_PARAMETERS = ("cache", "past_key_values")
+
+
+class UnheldCache(DynamicCache):
+    """A ``DynamicCache`` whose layers hold nothing after ``update`` returns (module doc)."""
+
+    def __init__(self, config):
+        super().__init__(config=config)
+        self.closed = False
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        self.check_open()
+        layers = self.layers
+        empty = layers[layer_idx] if layer_idx < len(layers) else None
+        if empty is not None:
+            layers[layer_idx] = copy.copy(empty)
+        try:
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        finally:  # the layer is empty again: the keys and values live on in autograd's copies only
+            layers[layer_idx] = empty if empty is not None else self.layer_class_to_replicate()
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        self.check_open()
+        return super().get_seq_length(*args, **kwargs)
+
+    def get_mask_sizes(self, *args, **kwargs):
+        self.check_open()
+        return super().get_mask_sizes(*args, **kwargs)
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(
+                "hf-division: this cache comes from a training forward with division, which keeps no keys or "
+                "values in it (they would sit whole beside division's compressed copies; docs/DESIGN.md, "
+                "'The training KV cache'). Pass use_cache=True to the forward for a cache that holds them.")
+
+
+class CacheSlot:
+    """Where a model's forward takes its cache and ``use_cache``: which keyword names the cache,
+    and how many positional arguments (``self`` aside) come before either."""
+
+    def __init__(self, model: nn.Module):
+        try:
+            names = list(inspect.signature(type(model).forward).parameters)[1:]
+        except (TypeError, ValueError):
+            names = []
+        found = [n for n in CACHE_PARAMETERS if n in names]
+        self.name = found[0] if found and "use_cache" in names else None
+        self.before = min(names.index(self.name), names.index("use_cache")) if self.name else 0
+
+    def unheld(self, model: nn.Module, args: tuple, kwargs: dict) -> UnheldCache | None:
+        """The cache to pass ``model``'s training forward called with ``args``, ``kwargs``: an
+        :class:`UnheldCache` where the unpatched forward would build a ``DynamicCache`` itself
+        (``config.use_cache`` on, checkpointing off, a decoder-only model) and the caller asked
+        for no cache; None where the caller passed ``use_cache`` or a cache, or none is built."""
+        if self.name is None or len(args) > self.before or kwargs.get("use_cache") is not None:
+            return None
+        if any(kwargs.get(n) is not None for n in CACHE_PARAMETERS):
+            return None
+        config = model.config
+        if not getattr(config, "use_cache", False) or getattr(model, "is_activation_checkpointing", False):
+            return None
+        if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
+            return None  # their caches pair a second one for cross-attention
+        return UnheldCache(config)

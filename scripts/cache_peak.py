@@ -1,0 +1,103 @@
+"""A training step's peak memory with the KV cache a decoder builds in training held and not
+(docs/DESIGN.md, "The training KV cache").
+
+python scripts/cache_peak.py [--shape smollm2] [--layers 30] [--size 8x256] [--head lm|cls] [--lora]
+
+A random-init Llama of the cuda suite's ``--shape`` (``--layers`` deep, a 4,096-word vocabulary)
+with a causal-LM head or a two-label classification head, optionally PEFT LoRA (rank 8 on q_proj
+and v_proj), one training step on random tokens, its peak above the memory before it
+(:func:`hf_division.bench.peak.step_peak`: the RSS high-water mark, glibc set to return freed
+memory), the median of 3 steps after one, each arm in a child forked from one clean process.
+Arms: ``none`` as Transformers runs it (its cache built from ``config.use_cache``); division with
+``use_cache=True`` passed (a cache that holds every layer's keys and values, as the unpatched
+model builds it); division as it runs (a cache that holds nothing). Also the bytes the returned
+cache holds.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from hf_division.api import apply_division
+from hf_division.bench.peak import MALLOC_ENV, forked, step_peak
+from hf_division.bench.suites import cuda as cuda_suite
+
+#: (arm, use_cache passed: None for not passed)
+ARMS = [("none", None), ("division", True), ("division", None)]
+VOCAB = 4096
+
+
+def build(args):
+    import transformers
+
+    torch.manual_seed(0)
+    fields = dict(cuda_suite.SHAPES[args.shape], num_hidden_layers=args.layers, vocab_size=VOCAB)
+    config = transformers.LlamaConfig(**fields, tie_word_embeddings=True, num_labels=2, pad_token_id=0)
+    head = transformers.LlamaForSequenceClassification if args.head == "cls" else transformers.LlamaForCausalLM
+    model = head._from_config(config, attn_implementation="sdpa").train()
+    if args.lora:
+        import peft
+
+        task = "SEQ_CLS" if args.head == "cls" else "CAUSAL_LM"
+        model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"], task_type=task))
+    return model
+
+
+def held_bytes(cache) -> int:
+    if cache is None:
+        return 0
+    return sum(t.numel() * t.element_size() for layer in cache.layers if layer.is_initialized
+               for t in (layer.keys, layer.values))
+
+
+def job(item: tuple) -> dict:
+    (arm, use_cache), args = item
+    torch.set_num_threads(2)
+    model = build(args)
+    batch_size, tokens = args.size
+    ids = torch.randint(1, VOCAB, (batch_size, tokens), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+             "labels": torch.zeros(batch_size, dtype=torch.long) if args.head == "cls" else ids}
+    if use_cache is not None:
+        batch["use_cache"] = use_cache
+    if arm == "division":
+        apply_division(model)
+    cache = [0]
+
+    def step():
+        out = model(**batch)
+        cache[0] = held_bytes(next((out[k] for k in ("cache", "past_key_values") if k in out), None))
+        loss = out.loss
+        del out
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    step()
+    peaks = sorted(step_peak(step)[0] for _ in range(3))
+    return {"arm": arm, "use_cache": use_cache, "peak_mib": peaks[1] / 2**20, "cache_mib": cache[0] / 2**20}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="smollm2", choices=sorted(cuda_suite.SHAPES))
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--size", default="8x256", help="batch x tokens")
+    ap.add_argument("--head", default="lm", choices=["lm", "cls"])
+    ap.add_argument("--lora", action="store_true", help="PEFT LoRA, rank 8 on q_proj and v_proj")
+    args = ap.parse_args(argv)
+    args.size = tuple(int(v) for v in args.size.split("x"))
+    if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):  # glibc reads these at start-up only
+        os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, **MALLOC_ENV))
+    print(f"{args.shape} shape, {args.layers} layers, {args.head} head{' with LoRA' if args.lora else ''}, "
+          f"{args.size[0]} x {args.size[1]} tokens, float32")
+    print(f"{'arm':<10} {'use_cache passed':>16} {'cache MiB':>10} {'step peak MiB':>14}")
+    for r in forked(job, [(arm, args) for arm in ARMS]):
+        passed = "not passed" if r["use_cache"] is None else str(r["use_cache"])
+        print(f"{r['arm']:<10} {passed:>16} {r['cache_mib']:>10.2f} {r['peak_mib']:>14.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The KV cache of a decoder's training forward with division (hf_division/patching/training_cache.py)."""
+import weakref
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import hf_division as hd
+from hf_division.analysis.fidelity import flat_grad
+from hf_division.patching.training_cache import UnheldCache
+
+from conftest import tiny_batch, tiny_model
+
+
+def _cache(out):
+    return next((out[k] for k in ("cache", "past_key_values") if k in out), None)
+
+
+@pytest.fixture
+def returned_keys(monkeypatch):
+    """Weak references to every key tensor a cache's ``update`` returned."""
+    refs = []
+    update = DynamicCache.update
+
+    def recording(self, *args, **kwargs):
+        keys, values = update(self, *args, **kwargs)
+        refs.append(weakref.ref(keys))
+        return keys, values
+
+    monkeypatch.setattr(DynamicCache, "update", recording)
+    return refs
+
+
+@pytest.mark.parametrize("model_type,impl", [("llama", "eager"), ("llama", "sdpa"), ("gemma3_text", "sdpa")])
+def test_no_key_outlives_the_forward_unless_asked(model_type, impl, returned_keys):
+    """With division, once the forward has returned (its output still held) no layer's keys are
+    alive: autograd keeps compressed copies, and the cache none. Asked for (``use_cache=True``),
+    the cache keeps every layer's. Gemma 3's sliding-window layers keep a view of the keys
+    (``DynamicSlidingWindowLayer``), which held the whole tensor too."""
+    model = tiny_model(model_type, impl).train()
+    hd.apply_division(model)
+    batch = tiny_batch(model_type=model_type)
+    out = model(**batch)
+    assert isinstance(_cache(out), UnheldCache)
+    assert len(returned_keys) == model.config.num_hidden_layers
+    assert [r for r in returned_keys if r() is not None] == []
+    returned_keys.clear()
+    asked = model(**batch, use_cache=True)
+    assert type(_cache(asked)) is DynamicCache
+    assert len(returned_keys) == model.config.num_hidden_layers
+    assert all(r() is not None for r in returned_keys)
+    del out, asked
+
+
+def test_asked_for_cache_is_the_unpatched_models():
+    """``use_cache=True``: the cache the unpatched model returns, equal to it; ``use_cache=False``:
+    none. Division's choice is only for a caller who did not say."""
+    model = tiny_model("llama", "sdpa").train()
+    batch = tiny_batch(model_type="llama")
+    ref = _cache(model(**batch, use_cache=True))
+    hd.apply_division(model)
+    got = _cache(model(**batch, use_cache=True))
+    assert type(got) is DynamicCache
+    for a, b in zip(ref.layers, got.layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    assert _cache(model(**batch, use_cache=False)) is None
+
+
+def test_continuing_from_the_unheld_cache_raises():
+    """Continuing from the training forward's cache would attend to none of the past: it raises,
+    naming the way to get a cache that holds the keys."""
+    model = tiny_model("llama", "sdpa").train()
+    hd.apply_division(model)
+    batch = tiny_batch(model_type="llama")
+    cache = _cache(model(**batch))
+    with pytest.raises(RuntimeError, match="use_cache=True"):
+        cache.get_seq_length()
+    with pytest.raises(RuntimeError, match="use_cache=True"):
+        model(input_ids=batch["input_ids"][:, -1:], cache=cache) if "cache" in _forward_names(model) else \
+            model(input_ids=batch["input_ids"][:, -1:], past_key_values=cache)
+
+
+def _forward_names(model):
+    import inspect
+
+    return inspect.signature(type(model).forward).parameters
+
+
+def test_gradient_is_the_one_with_the_cache_held():
+    """Holding nothing changes no computation: the gradient, noise draws the same, equals to the
+    bit the one of a forward whose cache holds the keys (``use_cache=True``)."""
+    model = tiny_model("llama", "eager").train()
+    batch = tiny_batch(model_type="llama")
+    hd.apply_division(model)
+    unheld = flat_grad(model, batch, 0, noise_seed=1)
+    held = flat_grad(model, dict(batch, use_cache=True), 0, noise_seed=1)
+    assert torch.equal(unheld, held)
+
+
+def test_no_cache_under_checkpointing():
+    """Transformers builds no cache under gradient checkpointing; division gives none either (a
+    cache there would change the layers' inputs' layout, not only what is held)."""
+    model = tiny_model("llama", "sdpa").train()
+    model.activation_checkpointing_enable()
+    hd.apply_division(model)
+    assert _cache(model(**tiny_batch(model_type="llama"))) is None
