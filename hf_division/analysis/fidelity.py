@@ -71,8 +71,12 @@ def flat_grad(model: torch.nn.Module, inputs: dict, seed: int, autocast: torch.d
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     """Cosine of two flat vectors in float64: in float32 the sums over the millions of entries of a
-    model's gradient can put an exact match above 1."""
-    return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=0).item()
+    model's gradient can put an exact match above 1. The dot product over the two norms, each
+    clamped to 1e-8 as ``torch.nn.functional.cosine_similarity`` clamps them (a zero vector reads
+    0): that function also writes both vectors out normalized, 4.4 s against 0.2 s here for a
+    135M-parameter gradient on a 2-core CPU."""
+    a, b = a.double(), b.double()
+    return (a @ b / (a.norm().clamp_min(1e-8) * b.norm().clamp_min(1e-8))).item()
 
 
 def gradient_cosine(model, inputs: dict, config: DivisionConfig | None = None, seeds=(0, 1, 2), *,
