@@ -84,8 +84,8 @@ class CacheSlot:
             return None
         config = model.config
         # the base model's flag is what Transformers reads to build no cache under checkpointing
-        # (``merge_with_config_defaults``); one attribute, where ``is_activation_checkpointing``
-        # walks every module (1.4 ms a forward at SmolLM2's depth on a slow host)
+        # (``merge_with_config_defaults``): one attribute read a forward, where
+        # ``is_activation_checkpointing`` walks every module (host time: DESIGN.md, "On a GPU")
         base = getattr(model, "base_model", model)
         if not getattr(config, "use_cache", False) or getattr(base, "gradient_checkpointing", False):
             return None
