@@ -1,4 +1,5 @@
 """The KV cache of a decoder's training forward with division (hf_division/patching/training_cache.py)."""
+import inspect
 import weakref
 
 import pytest
@@ -75,15 +76,9 @@ def test_continuing_from_the_unheld_cache_raises():
     cache = _cache(model(**batch))
     with pytest.raises(RuntimeError, match="use_cache=True"):
         cache.get_seq_length()
+    name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
     with pytest.raises(RuntimeError, match="use_cache=True"):
-        model(input_ids=batch["input_ids"][:, -1:], cache=cache) if "cache" in _forward_names(model) else \
-            model(input_ids=batch["input_ids"][:, -1:], past_key_values=cache)
-
-
-def _forward_names(model):
-    import inspect
-
-    return inspect.signature(type(model).forward).parameters
+        model(input_ids=batch["input_ids"][:, -1:], **{name: cache})
 
 
 def test_gradient_is_the_one_with_the_cache_held():
