@@ -24,6 +24,7 @@ import torch
 from hf_division.api import apply_division
 from hf_division.bench.peak import MALLOC_ENV, forked, step_peak
 from hf_division.bench.suites import cuda as cuda_suite
+from hf_division.patching.training_cache import output_cache
 
 #: (arm, use_cache passed: None for not passed)
 ARMS = [("none", None), ("division", True), ("division", None)]
@@ -69,7 +70,7 @@ def job(item: tuple) -> dict:
 
     def step():
         out = model(**batch)
-        cache[0] = held_bytes(next((out[k] for k in ("cache", "past_key_values") if k in out), None))
+        cache[0] = held_bytes(output_cache(out))
         loss = out.loss
         del out
         loss.backward()

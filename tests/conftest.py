@@ -62,6 +62,8 @@ def triton_path():
     every test marked :data:`TRITON_MARKS`; a reference inside it turns the kernels off itself."""
     with triton_codec.on_cpu():
         yield
+
+
 #: one unit in the last place of each float dtype, relative
 ULP = {torch.float32: 2.0**-23, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
 

@@ -21,9 +21,14 @@ import inspect
 from torch import nn
 from transformers import DynamicCache
 
-#: the cache's parameter in a model's forward: ``cache`` from Transformers 5.25 on, which still
-#: takes ``past_key_values`` as a deprecated keyword
+#: the cache's parameter in a model's forward and field in its output: ``cache`` from Transformers
+#: 5.24 on (which still takes ``past_key_values`` as a deprecated keyword), ``past_key_values`` in 5.23
 CACHE_PARAMETERS = ("cache", "past_key_values")
+
+
+def output_cache(out):
+    """The KV cache a model's output carries, None for none."""
+    return next((out[k] for k in CACHE_PARAMETERS if k in out), None)
 
 
 class UnheldCache(DynamicCache):

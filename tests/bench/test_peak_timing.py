@@ -184,8 +184,9 @@ def test_cache_peak_script_reports_the_cache_division_holds():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, os.path.join(root, "scripts", "cache_peak.py"), "--shape", "tiny",
-                          "--layers", "1", "--size", "2x64", "--head", "cls", "--lora"], capture_output=True, text=True, timeout=300, cwd=root)
+    command = [sys.executable, os.path.join(root, "scripts", "cache_peak.py"), "--shape", "tiny", "--layers", "1",
+               "--size", "2x64", "--head", "cls", "--lora"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split() for line in out.stdout.splitlines() if line.startswith(("none ", "division "))]
     cache = {(r[0], " ".join(r[1:-2])): float(r[-2]) for r in rows}

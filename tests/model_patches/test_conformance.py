@@ -25,11 +25,6 @@ def _forward(model, batch, seed):
     return model(**batch)
 
 
-def _cache(out):
-    """The KV cache a forward returned (``cache``; ``past_key_values`` before Transformers 5.25)."""
-    return next((out[k] for k in ("cache", "past_key_values") if k in out), None)
-
-
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("model_type", TYPES)
 def test_training_forward_bit_identical(model_type, impl, batch):
@@ -39,7 +34,7 @@ def test_training_forward_bit_identical(model_type, impl, batch):
     (an encoder-decoder's pair) is the unpatched model's kind."""
     from transformers import DynamicCache
 
-    from hf_division.patching.training_cache import UnheldCache
+    from hf_division.patching.training_cache import UnheldCache, output_cache
     from hf_division.registry import family
 
     model = tiny_model(model_type, impl).train()
@@ -47,13 +42,13 @@ def test_training_forward_bit_identical(model_type, impl, batch):
     hd.apply_division(model)
     out = _forward(model, batch, 3)
     assert torch.equal(ref.logits, out.logits)
-    dynamic = type(_cache(ref)) is DynamicCache
+    dynamic = type(output_cache(ref)) is DynamicCache
     assert family(model_type).dynamic_cache is dynamic
     if dynamic:
-        assert isinstance(_cache(out), UnheldCache)
-        assert all(not layer.is_initialized for layer in _cache(out).layers)
+        assert isinstance(output_cache(out), UnheldCache)
+        assert all(not layer.is_initialized for layer in output_cache(out).layers)
     else:
-        assert type(_cache(out)) is type(_cache(ref))
+        assert type(output_cache(out)) is type(output_cache(ref))
 
 
 @pytest.mark.parametrize("use_cache", [None, False])

@@ -8,13 +8,9 @@ from transformers import DynamicCache
 
 import hf_division as hd
 from hf_division.analysis.fidelity import flat_grad
-from hf_division.patching.training_cache import UnheldCache
+from hf_division.patching.training_cache import UnheldCache, output_cache
 
 from conftest import tiny_batch, tiny_model
-
-
-def _cache(out):
-    return next((out[k] for k in ("cache", "past_key_values") if k in out), None)
 
 
 @pytest.fixture
@@ -42,12 +38,12 @@ def test_no_key_outlives_the_forward_unless_asked(model_type, impl, returned_key
     hd.apply_division(model)
     batch = tiny_batch(model_type=model_type)
     out = model(**batch)
-    assert isinstance(_cache(out), UnheldCache)
+    assert isinstance(output_cache(out), UnheldCache)
     assert len(returned_keys) == model.config.num_hidden_layers
     assert [r for r in returned_keys if r() is not None] == []
     returned_keys.clear()
     asked = model(**batch, use_cache=True)
-    assert type(_cache(asked)) is DynamicCache
+    assert type(output_cache(asked)) is DynamicCache
     assert len(returned_keys) == model.config.num_hidden_layers
     assert all(r() is not None for r in returned_keys)
     del out, asked
@@ -58,13 +54,13 @@ def test_asked_for_cache_is_the_unpatched_models():
     none. Division's choice is only for a caller who did not say."""
     model = tiny_model("llama", "sdpa").train()
     batch = tiny_batch(model_type="llama")
-    ref = _cache(model(**batch, use_cache=True))
+    ref = output_cache(model(**batch, use_cache=True))
     hd.apply_division(model)
-    got = _cache(model(**batch, use_cache=True))
+    got = output_cache(model(**batch, use_cache=True))
     assert type(got) is DynamicCache
     for a, b in zip(ref.layers, got.layers, strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-    assert _cache(model(**batch, use_cache=False)) is None
+    assert output_cache(model(**batch, use_cache=False)) is None
 
 
 def test_continuing_from_the_unheld_cache_raises():
@@ -73,7 +69,7 @@ def test_continuing_from_the_unheld_cache_raises():
     model = tiny_model("llama", "sdpa").train()
     hd.apply_division(model)
     batch = tiny_batch(model_type="llama")
-    cache = _cache(model(**batch))
+    cache = output_cache(model(**batch))
     with pytest.raises(RuntimeError, match="use_cache=True"):
         cache.get_seq_length()
     name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
@@ -98,4 +94,4 @@ def test_no_cache_under_checkpointing():
     model = tiny_model("llama", "sdpa").train()
     model.activation_checkpointing_enable()
     hd.apply_division(model)
-    assert _cache(model(**tiny_batch(model_type="llama"))) is None
+    assert output_cache(model(**tiny_batch(model_type="llama"))) is None
