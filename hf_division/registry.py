@@ -17,24 +17,36 @@ family up front would load some thirty modeling files that a run patching one mo
 from __future__ import annotations
 
 import contextlib
+import enum
 import importlib
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Mapping
 
 
+class TrainingCache(enum.Enum):
+    """The KV cache a family's training forward builds for itself where ``config.use_cache`` is on;
+    division gives the forward one of the same kind that holds nothing
+    (:mod:`hf_division.patching.training_cache`)."""
+
+    #: none, or one division leaves as it is (BART's and T5's heads build none when given labels)
+    NONE = "none"
+    #: a decoder's ``DynamicCache``
+    DECODER = "decoder"
+    #: an ``EncoderDecoderCache`` of two caches of the decoder's depth, labels given or not (Whisper)
+    ENCODER_DECODER = "encoder-decoder"
+
+
 @dataclass(frozen=True)
 class Family:
     """How to patch one architecture: ``apply(model, state)``, its default config fields,
     ``by_shape(model_config)``: the fields whose default differs again for a model of that shape,
-    and ``dynamic_cache``: whether its models are decoders that build a ``DynamicCache`` in a
-    training forward (division gives them one that holds nothing:
-    :mod:`hf_division.patching.training_cache`)."""
+    and ``training_cache``: the KV cache its models build in a training forward."""
 
     apply: Callable
     defaults: Mapping = field(default_factory=dict)
     by_shape: Callable[[object], Mapping] | None = None
-    dynamic_cache: bool = False
+    training_cache: TrainingCache = TrainingCache.NONE
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -65,16 +77,18 @@ def _load(model_type: str | None) -> None:
 
 
 def register(*model_types: str, defaults: Mapping | None = None, by_shape: Callable[[object], Mapping] | None = None,
-             dynamic_cache: bool = False):
+             training_cache: TrainingCache = TrainingCache.NONE):
     """Decorator: register a patcher ``apply(model, state)`` for ``model_types``; returns it.
     ``defaults``: the config fields whose measured default differs for them; ``by_shape``: given a
     model's ``config``, the fields whose default differs again for that model (e.g. by width);
-    ``dynamic_cache``: :attr:`Family.dynamic_cache`."""
+    ``training_cache``: :attr:`Family.training_cache`."""
     if not model_types:
         raise ValueError("register: name at least one model_type")
+    if not isinstance(training_cache, TrainingCache):
+        raise TypeError(f"register: training_cache must be a TrainingCache, got {training_cache!r}")
 
     def decorate(apply: Callable) -> Callable:
-        family = Family(apply, MappingProxyType(dict(defaults or {})), by_shape, dynamic_cache)
+        family = Family(apply, MappingProxyType(dict(defaults or {})), by_shape, training_cache)
         for model_type in model_types:
             if model_type in _FAMILIES and _FAMILIES[model_type].apply is not apply:
                 raise ValueError(f"hf-division: model_type {model_type!r} is registered twice")

@@ -7,8 +7,8 @@ run loads the modeling file of the architecture it trains and no other (docs/DES
 "Patching, registry and families").
 
 Adding an architecture = one small module here that calls ``register(model_type, defaults=...)``
-on its patcher (``dynamic_cache=True`` where its models build a ``DynamicCache`` in training: the
-conformance test says where), plus its row below; it is supported once it passes
+on its patcher (``training_cache=`` the kind of KV cache its models build in training, where they
+build one: the conformance test says where), plus its row below; it is supported once it passes
 ``tests/model_patches/test_conformance.py`` (parametrized over the registry), and
 ``tests/model_patches/test_registry.py`` checks that the module registers exactly its row.
 """

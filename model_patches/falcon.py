@@ -12,7 +12,7 @@ import inspect
 
 from transformers.models.falcon.modeling_falcon import FalconAttention
 
-from hf_division.registry import register
+from hf_division.registry import TrainingCache, register
 
 from .common import DECODER_DEFAULTS, encoder_patcher
 from .falcon_inline import apply_inline
@@ -21,4 +21,4 @@ from .falcon_inline import apply_inline
 #: not switched to ``division_<impl>``
 INLINE = "alibi" in inspect.signature(FalconAttention.forward).parameters
 
-apply_division_to_falcon = register("falcon", defaults=DECODER_DEFAULTS, dynamic_cache=True)(apply_inline if INLINE else encoder_patcher())
+apply_division_to_falcon = register("falcon", defaults=DECODER_DEFAULTS, training_cache=TrainingCache.DECODER)(apply_inline if INLINE else encoder_patcher())

@@ -9,11 +9,11 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import (
     Qwen2MoeTopKRouter,
 )
 
-from hf_division.registry import register
+from hf_division.registry import TrainingCache, register
 
 from .common import GATED_DECODER_DEFAULTS, gated_by_shape, moe_patcher
 
-apply_division_to_qwen2_moe = register("qwen2_moe", defaults=GATED_DECODER_DEFAULTS, by_shape=gated_by_shape, dynamic_cache=True)(
+apply_division_to_qwen2_moe = register("qwen2_moe", defaults=GATED_DECODER_DEFAULTS, by_shape=gated_by_shape, training_cache=TrainingCache.DECODER)(
     moe_patcher(Qwen2MoeRMSNorm, Qwen2MoeMLP, Qwen2MoeSparseMoeBlock, Qwen2MoeTopKRouter,
                 attention_type=Qwen2MoeAttention)
 )

@@ -8,10 +8,10 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (
     Qwen3MoeTopKRouter,
 )
 
-from hf_division.registry import register
+from hf_division.registry import TrainingCache, register
 
 from .common import GATED_DECODER_DEFAULTS, gated_by_shape, moe_patcher
 
-apply_division_to_qwen3_moe = register("qwen3_moe", defaults=GATED_DECODER_DEFAULTS, by_shape=gated_by_shape, dynamic_cache=True)(
+apply_division_to_qwen3_moe = register("qwen3_moe", defaults=GATED_DECODER_DEFAULTS, by_shape=gated_by_shape, training_cache=TrainingCache.DECODER)(
     moe_patcher(Qwen3MoeRMSNorm, Qwen3MoeMLP, Qwen3MoeExperts, Qwen3MoeTopKRouter, attention_type=Qwen3MoeAttention)
 )

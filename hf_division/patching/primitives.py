@@ -32,7 +32,8 @@ from hf_division.autograd.forward_mode import ForwardMode
 from hf_division.autograd.ops import CheckpointFn, GatedFn, LinearFn, RecomputeFn
 from hf_division.autograd.saved_hooks import compressed_saves
 from hf_division.autograd.padding import padding_of
-from hf_division.patching.training_cache import CacheSlot
+from hf_division.patching.training_cache import CacheSlot, close
+from hf_division.registry import TrainingCache
 from hf_division.patching.wrappers import (
     PatchState, config_for, forget_lost, in_training, unpatched_forward, wrap_forward,
 )
@@ -193,7 +194,8 @@ def patch_gated_body(state: PatchState, mlp: nn.Module, act: nn.Module, body) ->
     wrap_forward(state, mlp, make)
 
 
-def patch_root(state: PatchState, model: nn.Module, repatch, dynamic_cache: bool = False) -> None:
+def patch_root(state: PatchState, model: nn.Module, repatch,
+               training_cache: TrainingCache = TrainingCache.NONE) -> None:
     """The model's own forward: in training, (1) modules added after patching (PEFT's
     ``get_peft_model`` after ``apply_division`` adds ``lora_A``/``lora_B``) get patched before they
     run, by calling ``repatch`` when the module count changed, and modules whose forward another
@@ -202,11 +204,11 @@ def patch_root(state: PatchState, model: nn.Module, repatch, dynamic_cache: bool
     ``TorchFunctionMode`` (:class:`~hf_division.autograd.forward_mode.ForwardMode`) that routes ``F.dropout``
     to :class:`DropoutFn`, and lets a dtype cast of a held tensor share its copy; (3) the rounding noise
     comes from the model's own streams (:func:`~hf_division.compress.noise.model_stream`); (4) with
-    ``dynamic_cache`` (a decoder family's :attr:`~hf_division.registry.Family.dynamic_cache`), the
+    ``training_cache`` (the family's :attr:`~hf_division.registry.Family.training_cache`), the
     KV cache the forward would build for itself is one that holds nothing
     (:mod:`~hf_division.patching.training_cache`)."""
     state.n_modules = sum(1 for _ in model.modules())
-    slot = CacheSlot(model) if dynamic_cache else None
+    slot = None if training_cache is TrainingCache.NONE else CacheSlot(model, training_cache)
 
     def make(orig):
         def forward(self, *args, **kwargs):
@@ -222,7 +224,7 @@ def patch_root(state: PatchState, model: nn.Module, repatch, dynamic_cache: bool
                     out = orig(*args, **kwargs)
             finally:
                 if cache is not None:
-                    cache.closed = True
+                    close(cache)
             if signature is not None:
                 state.modes[signature] = state.modes.get(signature, False) or mode.routed > 0
             return out

@@ -1,17 +1,20 @@
-"""A KV cache that holds nothing, for a decoder's training forward with division.
+"""A KV cache that holds nothing, for a training forward with division.
 
-Why: Transformers' decoders build a ``DynamicCache`` in every forward where ``config.use_cache`` is
-on and checkpointing is off, training included. In the unpatched model the cache's keys and values
-are the tensors autograd keeps for the attention's backward, so the cache costs nothing more; with
-division autograd keeps compressed copies, and the cache held every layer's keys and values whole
-beside them until the output was dropped (docs/DESIGN.md, "The training KV cache").
+Why: Transformers' decoders build a ``DynamicCache`` in every forward where ``config.use_cache``
+is on and checkpointing is off, training included (Whisper an ``EncoderDecoderCache`` of two, the
+cross-attention's keys and values over every audio frame in the second). In the unpatched model
+the cache's keys and values are the tensors autograd keeps for the attention's backward, so the
+cache costs nothing more; with division autograd keeps compressed copies, and the cache held
+every layer's keys and values whole beside them until the output was dropped (docs/DESIGN.md,
+"The training KV cache").
 
 :class:`UnheldCache` is a ``DynamicCache`` in all the forward sees: the same layers (sliding-window
 ones included), the same masks (built from it while it is empty, as from a fresh cache) and the same
 keys and values from ``update`` (each layer's own ``update`` runs on a copy of its empty layer). It
 drops each layer's tensors when that ``update`` returns. Once the forward has returned it is
 closed: continuing from it raises, where a cache emptied in silence would have the next forward
-attend to none of the past.
+attend to none of the past. A family declares the kind its forward builds
+(:class:`~hf_division.registry.TrainingCache`).
 """
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ import copy
 import inspect
 
 from torch import nn
-from transformers import DynamicCache
+from transformers import DynamicCache, EncoderDecoderCache
+
+from hf_division.registry import TrainingCache
 
 #: the cache's parameter in a model's forward and field in its output: ``cache`` from Transformers
 #: 5.24 on (which still takes ``past_key_values`` as a deprecated keyword), ``past_key_values`` in 5.23
@@ -65,11 +70,21 @@ class UnheldCache(DynamicCache):
                 "'The training KV cache'). Pass use_cache=True to the forward for a cache that holds them.")
 
 
+def close(cache) -> None:
+    """Close the :class:`UnheldCache` ``cache`` is, or the two an ``EncoderDecoderCache`` pairs."""
+    pair = isinstance(cache, EncoderDecoderCache)
+    for part in (cache.self_attention_cache, cache.cross_attention_cache) if pair else (cache,):
+        part.closed = True
+
+
 class CacheSlot:
     """Where a model's forward takes its cache and ``use_cache``: which keyword names the cache,
-    and how many positional arguments (``self`` aside) come before either."""
+    and how many positional arguments (``self`` aside) come before either; and the ``kind`` of
+    cache its family builds (not :attr:`~hf_division.registry.TrainingCache.NONE`)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, kind: TrainingCache):
+        self.kind = kind
+        self.decoder_config = (None, None)  # (a model's config, the copy its decoder's caches are built from)
         try:
             names = list(inspect.signature(type(model).forward).parameters)[1:]
         except (TypeError, ValueError):
@@ -78,11 +93,11 @@ class CacheSlot:
         self.name = found[0] if found and "use_cache" in names else None
         self.before = min(names.index(self.name), names.index("use_cache")) if self.name else 0
 
-    def unheld(self, model: nn.Module, args: tuple, kwargs: dict) -> UnheldCache | None:
-        """The cache to pass ``model``'s training forward called with ``args``, ``kwargs``: an
-        :class:`UnheldCache` where the unpatched forward would build a ``DynamicCache`` itself
-        (``config.use_cache`` on, checkpointing off, a decoder-only model) and the caller asked
-        for no cache; None where the caller passed ``use_cache`` or a cache, or none is built."""
+    def unheld(self, model: nn.Module, args: tuple, kwargs: dict):
+        """The cache to pass ``model``'s training forward called with ``args``, ``kwargs``: one of
+        the kind the unpatched forward would build itself (``config.use_cache`` on, checkpointing
+        off), made of :class:`UnheldCache`, where the caller asked for no cache; None where the
+        caller passed ``use_cache`` or a cache, or none is built."""
         if self.name is None or len(args) > self.before or kwargs.get("use_cache") is not None:
             return None
         if any(kwargs.get(n) is not None for n in CACHE_PARAMETERS):
@@ -94,6 +109,20 @@ class CacheSlot:
         base = getattr(model, "base_model", model)
         if not getattr(config, "use_cache", False) or getattr(base, "gradient_checkpointing", False):
             return None
+        if self.kind is TrainingCache.ENCODER_DECODER:
+            decoder = self.decoder_of(config)
+            return EncoderDecoderCache(UnheldCache(decoder), UnheldCache(decoder))
         if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
-            return None  # their caches pair a second one for cross-attention
+            return None  # a decoder in an encoder-decoder model: its cache pairs a second for cross-attention
         return UnheldCache(config)
+
+    def decoder_of(self, config):
+        """``config`` with the decoder's depth as ``num_hidden_layers``, as Whisper's decoder builds
+        its caches from (a config's ``num_hidden_layers`` may name the encoder's depth: Whisper's
+        does); the copy made once per config object."""
+        held, copied = self.decoder_config
+        if held is not config:
+            copied = copy.copy(config)
+            copied.num_hidden_layers = getattr(config, "decoder_layers", config.num_hidden_layers)
+            self.decoder_config = (config, copied)
+        return copied

@@ -28,27 +28,35 @@ def _forward(model, batch, seed):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("model_type", TYPES)
 def test_training_forward_bit_identical(model_type, impl, batch):
-    """The unpatched model's logits to the bit. Where the unpatched forward builds a
-    ``DynamicCache`` (the decoders, from ``config.use_cache``), division's forward returns one
-    whose layers hold nothing, and its family says so (``Family.dynamic_cache``); any other cache
-    (an encoder-decoder's pair) is the unpatched model's kind."""
-    from transformers import DynamicCache
+    """The unpatched model's logits to the bit. Where the unpatched forward builds a KV cache
+    itself (the decoders a ``DynamicCache``, Whisper an ``EncoderDecoderCache``, from
+    ``config.use_cache``), division's returns one of the same kind whose layers hold nothing, and
+    its family says which (``Family.training_cache``); any other cache is the unpatched model's kind."""
+    from transformers import DynamicCache, EncoderDecoderCache
 
     from hf_division.patching.training_cache import UnheldCache, output_cache
-    from hf_division.registry import family
+    from hf_division.registry import TrainingCache, family
 
     model = tiny_model(model_type, impl).train()
     ref = _forward(model, batch, 3)
     hd.apply_division(model)
     out = _forward(model, batch, 3)
     assert torch.equal(ref.logits, out.logits)
-    dynamic = type(output_cache(ref)) is DynamicCache
-    assert family(model_type).dynamic_cache is dynamic
-    if dynamic:
-        assert isinstance(output_cache(out), UnheldCache)
-        assert all(not layer.is_initialized for layer in output_cache(out).layers)
+    kind = {DynamicCache: TrainingCache.DECODER, EncoderDecoderCache: TrainingCache.ENCODER_DECODER}
+    built = kind.get(type(output_cache(ref)), TrainingCache.NONE)
+    assert family(model_type).training_cache is built
+    got, held = output_cache(out), output_cache(ref)
+    if built is TrainingCache.NONE:
+        assert type(got) is type(held)
+        return
+    if built is TrainingCache.DECODER:
+        parts, held = (got,), (held,)
     else:
-        assert type(output_cache(out)) is type(output_cache(ref))
+        assert type(got) is EncoderDecoderCache
+        parts, held = (got.self_attention_cache, got.cross_attention_cache), (held.self_attention_cache, held.cross_attention_cache)
+    for part, whole in zip(parts, held):
+        assert isinstance(part, UnheldCache) and len(part.layers) == len(whole.layers)
+        assert not any(layer.is_initialized for layer in part.layers)
 
 
 @pytest.mark.parametrize("use_cache", [None, False])

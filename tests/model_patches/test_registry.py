@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 import model_patches
 from hf_division import registry
 
@@ -44,6 +46,16 @@ def test_unregistered_hides_a_type_until_the_block_ends():
     with registry.unregistered("llama"):
         assert registry.family("llama") is None and "llama" not in registry.supported_model_types()
     assert registry.family("llama") is not None and "llama" in registry.supported_model_types()
+
+
+def test_a_training_cache_is_a_kind_not_a_flag():
+    """``training_cache`` takes a :class:`~hf_division.registry.TrainingCache`: a flag
+    (``dynamic_cache=True`` before there were two kinds) is refused by name, before anything
+    registers."""
+    with pytest.raises(TypeError, match="training_cache must be a TrainingCache"):
+        registry.register("not-a-model-type", training_cache=True)
+    assert registry.family("not-a-model-type") is None
+    assert registry.family("whisper").training_cache is registry.TrainingCache.ENCODER_DECODER
 
 
 PROBE = r"""

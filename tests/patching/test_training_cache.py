@@ -1,10 +1,11 @@
-"""The KV cache of a decoder's training forward with division (hf_division/patching/training_cache.py)."""
+"""The KV cache of a training forward with division (hf_division/patching/training_cache.py): a
+decoder's ``DynamicCache`` and Whisper's ``EncoderDecoderCache``."""
 import inspect
 import weakref
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, EncoderDecoderCache
 
 import hf_division as hd
 from hf_division.analysis.fidelity import flat_grad
@@ -95,3 +96,33 @@ def test_no_cache_under_checkpointing():
     model.activation_checkpointing_enable()
     hd.apply_division(model)
     assert output_cache(model(**tiny_batch(model_type="llama"))) is None
+
+
+def test_whisper_holds_no_cross_attention_keys_unless_asked(returned_keys):
+    """Whisper's head builds an ``EncoderDecoderCache`` with labels given: self-attention's keys
+    and, per layer, cross-attention's over every audio frame. With division neither outlives the
+    forward, both halves are closed after it, the gradient is the one with them held to the bit,
+    and ``use_cache=True`` gets the cache that holds them, equal to the unpatched model's."""
+    model = tiny_model("whisper", "sdpa").train()
+    batch = tiny_batch(model_type="whisper")
+    ref = output_cache(model(**batch, use_cache=True))
+    hd.apply_division(model)
+    returned_keys.clear()
+    out = model(**batch)
+    cache = output_cache(out)
+    assert type(cache) is EncoderDecoderCache
+    assert len(returned_keys) == 2 * model.config.decoder_layers  # each layer's self- and cross-attention
+    assert [r for r in returned_keys if r() is not None] == []
+    with pytest.raises(RuntimeError, match="use_cache=True"):
+        cache.get_seq_length()
+    with pytest.raises(RuntimeError, match="use_cache=True"):
+        cache.cross_attention_cache.get_seq_length()
+    del out, cache
+    got = output_cache(model(**batch, use_cache=True))
+    for part in ("self_attention_cache", "cross_attention_cache"):
+        assert type(getattr(got, part)) is DynamicCache
+        for a, b in zip(getattr(ref, part).layers, getattr(got, part).layers, strict=True):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    unheld = flat_grad(model, batch, 0, noise_seed=1)
+    held = flat_grad(model, dict(batch, use_cache=True), 0, noise_seed=1)
+    assert torch.equal(unheld, held)
