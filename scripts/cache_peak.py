@@ -1,17 +1,20 @@
-"""A training step's peak memory with the KV cache a decoder builds in training held and not
+"""A training step's peak memory with the KV cache a model builds in training held and not
 (docs/DESIGN.md, "The training KV cache").
 
 python scripts/cache_peak.py [--shape smollm2] [--layers 30] [--size 8x256] [--head lm|cls] [--lora]
+python scripts/cache_peak.py --shape whisper-small [--layers 12] [--size 2x64] [--lora]
 
 A random-init Llama of the cuda suite's ``--shape`` (``--layers`` deep, a 4,096-word vocabulary)
-with a causal-LM head or a two-label classification head, optionally PEFT LoRA (rank 8 on q_proj
-and v_proj), one training step on random tokens, its peak above the memory before it
-(:func:`hf_division.bench.peak.step_peak`: the RSS high-water mark, glibc set to return freed
-memory), the median of 3 steps after one, each arm in a child forked from one clean process.
-Arms: ``none`` as Transformers runs it (its cache built from ``config.use_cache``); division with
-``use_cache=True`` passed (a cache that holds every layer's keys and values, as the unpatched
-model builds it); division as it runs (a cache that holds nothing). Also the bytes the returned
-cache holds.
+with a causal-LM head or a two-label classification head; or, with a ``whisper-*`` shape, a
+random-init Whisper of that published shape (``--layers`` encoder and decoder layers each) with
+its conditional-generation head, on random mel features of the 30-second window and ``--size``'s
+batch x label tokens. Optionally PEFT LoRA (rank 8 on q_proj and v_proj). One training step, its
+peak above the memory before it (:func:`hf_division.bench.peak.step_peak`: the RSS high-water
+mark, glibc set to return freed memory), the median of 3 steps after one, each arm in a child
+forked from one clean process. Arms: ``none`` as Transformers runs it (its cache built from
+``config.use_cache``); division with ``use_cache=True`` passed (a cache that holds every layer's
+keys and values, as the unpatched model builds it); division as it runs (a cache that holds
+nothing). Also the bytes the returned cache holds (both halves of Whisper's).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import os
 import sys
 
 import torch
+from transformers import EncoderDecoderCache
 
 from hf_division.api import apply_division
 from hf_division.bench.peak import MALLOC_ENV, forked, step_peak
@@ -29,27 +33,59 @@ from hf_division.patching.training_cache import output_cache
 #: (arm, use_cache passed: None for not passed)
 ARMS = [("none", None), ("division", True), ("division", None)]
 VOCAB = 4096
+#: published Whisper shapes (openai/whisper-*: config.json), built with random weights
+WHISPER = {
+    "whisper-tiny": dict(d_model=384, encoder_layers=4, decoder_layers=4, encoder_attention_heads=6,
+                         decoder_attention_heads=6, encoder_ffn_dim=1536, decoder_ffn_dim=1536),
+    "whisper-small": dict(d_model=768, encoder_layers=12, decoder_layers=12, encoder_attention_heads=12,
+                          decoder_attention_heads=12, encoder_ffn_dim=3072, decoder_ffn_dim=3072),
+}
 
 
 def build(args):
     import transformers
 
     torch.manual_seed(0)
-    fields = dict(cuda_suite.SHAPES[args.shape], num_hidden_layers=args.layers, vocab_size=VOCAB)
-    config = transformers.LlamaConfig(**fields, tie_word_embeddings=True, num_labels=2, pad_token_id=0)
-    head = transformers.LlamaForSequenceClassification if args.head == "cls" else transformers.LlamaForCausalLM
-    model = head._from_config(config, attn_implementation="sdpa").train()
+    if args.shape in WHISPER:
+        fields = dict(WHISPER[args.shape], vocab_size=51865, num_mel_bins=80)
+        if args.layers:
+            fields.update(encoder_layers=args.layers, decoder_layers=args.layers)
+        config = transformers.WhisperConfig(**fields)
+        model = transformers.WhisperForConditionalGeneration._from_config(config, attn_implementation="sdpa").train()
+        task = None
+    else:
+        fields = dict(cuda_suite.SHAPES[args.shape], vocab_size=VOCAB)
+        if args.layers:
+            fields["num_hidden_layers"] = args.layers
+        config = transformers.LlamaConfig(**fields, tie_word_embeddings=True, num_labels=2, pad_token_id=0)
+        head = transformers.LlamaForSequenceClassification if args.head == "cls" else transformers.LlamaForCausalLM
+        model = head._from_config(config, attn_implementation="sdpa").train()
+        task = "SEQ_CLS" if args.head == "cls" else "CAUSAL_LM"
     if args.lora:
         import peft
 
-        task = "SEQ_CLS" if args.head == "cls" else "CAUSAL_LM"
         model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"], task_type=task))
     return model
+
+
+def batch_of(args) -> dict:
+    """Random tokens for a Llama; for Whisper, mel features of the 30-second window (3,000 frames)
+    and ``--size``'s label tokens."""
+    batch_size, tokens = args.size
+    g = torch.Generator().manual_seed(0)
+    if args.shape in WHISPER:
+        return {"input_features": torch.randn(batch_size, 80, 3000, generator=g),
+                "labels": torch.randint(1, 51865, (batch_size, tokens), generator=g)}
+    ids = torch.randint(1, VOCAB, (batch_size, tokens), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+            "labels": torch.zeros(batch_size, dtype=torch.long) if args.head == "cls" else ids}
 
 
 def held_bytes(cache) -> int:
     if cache is None:
         return 0
+    if isinstance(cache, EncoderDecoderCache):
+        return held_bytes(cache.self_attention_cache) + held_bytes(cache.cross_attention_cache)
     return sum(t.numel() * t.element_size() for layer in cache.layers if layer.is_initialized
                for t in (layer.keys, layer.values))
 
@@ -58,10 +94,7 @@ def job(item: tuple) -> dict:
     (arm, use_cache), args = item
     torch.set_num_threads(2)
     model = build(args)
-    batch_size, tokens = args.size
-    ids = torch.randint(1, VOCAB, (batch_size, tokens), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-             "labels": torch.zeros(batch_size, dtype=torch.long) if args.head == "cls" else ids}
+    batch = batch_of(args)
     if use_cache is not None:
         batch["use_cache"] = use_cache
     if arm == "division":
@@ -83,17 +116,21 @@ def job(item: tuple) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", default="smollm2", choices=sorted(cuda_suite.SHAPES))
-    ap.add_argument("--layers", type=int, default=30)
-    ap.add_argument("--size", default="8x256", help="batch x tokens")
-    ap.add_argument("--head", default="lm", choices=["lm", "cls"])
+    ap.add_argument("--shape", default="smollm2", choices=sorted(cuda_suite.SHAPES) + sorted(WHISPER))
+    ap.add_argument("--layers", type=int, help="the shape's depth (Whisper: of its encoder and of its decoder)")
+    ap.add_argument("--size", help="batch x tokens (Whisper: x label tokens); default 8x256, Whisper 2x64")
+    ap.add_argument("--head", default="lm", choices=["lm", "cls"], help="a Llama's head")
     ap.add_argument("--lora", action="store_true", help="PEFT LoRA, rank 8 on q_proj and v_proj")
     args = ap.parse_args(argv)
-    args.size = tuple(int(v) for v in args.size.split("x"))
+    whisper = args.shape in WHISPER
+    args.size = tuple(int(v) for v in (args.size or ("2x64" if whisper else "8x256")).split("x"))
     if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):  # glibc reads these at start-up only
         os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, **MALLOC_ENV))
-    print(f"{args.shape} shape, {args.layers} layers, {args.head} head{' with LoRA' if args.lora else ''}, "
-          f"{args.size[0]} x {args.size[1]} tokens, float32")
+    shape = WHISPER[args.shape] if whisper else cuda_suite.SHAPES[args.shape]
+    layers = args.layers or shape["decoder_layers" if whisper else "num_hidden_layers"]
+    head = "conditional-generation" if whisper else args.head
+    print(f"{args.shape} shape, {layers} layers, {head} head{' with LoRA' if args.lora else ''}, "
+          f"{args.size[0]} x {args.size[1]} {'label ' if whisper else ''}tokens, float32")
     print(f"{'arm':<10} {'use_cache passed':>16} {'cache MiB':>10} {'step peak MiB':>14}")
     for r in forked(job, [(arm, args) for arm in ARMS]):
         passed = "not passed" if r["use_cache"] is None else str(r["use_cache"])

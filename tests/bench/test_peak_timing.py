@@ -176,16 +176,21 @@ def test_median_time_is_the_median_after_a_warm_up():
     assert len(calls) == 6 and t < 0.01  # the median of 0 .04 0 0 .04 (their mean: .016; with the warm-up: .02)
 
 
-def test_cache_peak_script_reports_the_cache_division_holds():
-    """``scripts/cache_peak.py`` (docs/DESIGN.md, "The training KV cache") on one layer of the tiny
-    shape, a classifier with LoRA: the unpatched step's cache and division's with
-    ``use_cache=True`` hold the same bytes, division's own none; each arm's peak is measured."""
+@pytest.mark.parametrize("model", [
+    ["--shape", "tiny", "--layers", "1", "--size", "2x64", "--head", "cls"],
+    ["--shape", "whisper-tiny", "--layers", "1", "--size", "2x16"],
+], ids=["llama-cls", "whisper"])
+def test_cache_peak_script_reports_the_cache_division_holds(model):
+    """``scripts/cache_peak.py`` (docs/DESIGN.md, "The training KV cache") on one layer, with LoRA:
+    a Llama classifier of the tiny shape, and Whisper (its cache an ``EncoderDecoderCache``,
+    cross-attention's half over all 1,500 encoder tokens). The unpatched step's cache and
+    division's with ``use_cache=True`` hold the same bytes, division's own none; each arm's peak
+    is measured."""
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    command = [sys.executable, os.path.join(root, "scripts", "cache_peak.py"), "--shape", "tiny", "--layers", "1",
-               "--size", "2x64", "--head", "cls", "--lora"]
+    command = [sys.executable, os.path.join(root, "scripts", "cache_peak.py"), *model, "--lora"]
     out = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split() for line in out.stdout.splitlines() if line.startswith(("none ", "division "))]
