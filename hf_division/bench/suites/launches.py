@@ -65,7 +65,8 @@ HOST_MIN_NUMEL = 256
 
 def host_steps(shape: str, layers: int | None, size: tuple[int, int], rounds: int, autocast) -> dict:
     """Host milliseconds of one training step (forward, backward, ``zero_grad``) per arm, ``none``
-    and ``division``, on the GPU's path with the Triton kernels counted but not run: what the host
+    and ``division``, on the GPU's path with the Triton kernels counted but not run
+    (:func:`~hf_division.kernels.triton_codec.not_run`, the launches per step too): what the host
     must keep up with per step on a GPU, the launches aside (a GPU whose kernels take less time
     than this waits for the host). The shape's depth and layers at :data:`HOST_WIDTH` on ``size``
     (batch, tokens; 1 x 32: CPU kernels that cost about what launching a GPU's does); arms
@@ -78,17 +79,18 @@ def host_steps(shape: str, layers: int | None, size: tuple[int, int], rounds: in
     batch = random_tokens(HOST_WIDTH["vocab_size"], *size, seed=0)
     batch["labels"] = batch["input_ids"]
     out = {}
-    with gpu_path():
+    # the kernels counted, not run, here too: the GPU's path reads nothing back, so what their
+    # outputs hold decides no launch (the interpreter would take most of the suite's time)
+    with gpu_path(), triton_codec.not_run():
         for arm, model in models.items():
             c = step_counts(model, batch, autocast)
             out[arm] = {"launches": sum(c.ops.values()) + c.triton}
-        with triton_codec.not_run():
-            for arm, model in models.items():
-                out[arm]["forward_objects"] = forward_objects(model, batch, autocast)
-            for frozen in (False, True):
-                timed = interleaved(models, batch, autocast, rounds, frozen)
-                for arm, r in timed.items():
-                    out[arm].update({f"{k}_frozen" if frozen else k: v for k, v in r.items()})
+        for arm, model in models.items():
+            out[arm]["forward_objects"] = forward_objects(model, batch, autocast)
+        for frozen in (False, True):
+            timed = interleaved(models, batch, autocast, rounds, frozen)
+            for arm, r in timed.items():
+                out[arm].update({f"{k}_frozen" if frozen else k: v for k, v in r.items()})
     return out
 
 
