@@ -253,6 +253,10 @@ class RngState:
             yield
 
 
+def _as_is(t):
+    return t
+
+
 class AttentionFn(torch.autograd.Function):
     """An attention function ``call(q, k, v, *extra) -> out``.
 
@@ -271,7 +275,17 @@ class AttentionFn(torch.autograd.Function):
         # costs host time per op on a GPU (docs/DESIGN.md, "On a GPU")
         ctx.call, ctx.rng, ctx.amp = call, RngState([q]) if draws else None, autocast_state()
         with DropoutMasks() if draws else contextlib.nullcontext() as rec:
-            out = call(q, k, v, *extra)
+            if extra:
+                # as the unpatched model calls it: an additive mask built from a tensor that needs
+                # a gradient (T5's position bias) needs one too, and sdpa then picks another kernel
+                # (on the CPU: the math one, not flash), whose output differs in the last bits. The
+                # graph this records is dropped with it; what it saves, held as it is meanwhile, is
+                # no saved activation of the model's (nothing counts or compresses it)
+                leaves = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v, *extra)]
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+                    out = call(*leaves).detach()
+            else:
+                out = call(q, k, v, *extra)
         ctx.masks = rec.masks if draws else []
         ctx.save_for_backward(*extra)
         ctx.entries = [keep(t, "attention", config) for t in (q, k, v)]
