@@ -29,11 +29,14 @@ class TrainingCache(enum.Enum):
     division gives the forward one of the same kind that holds nothing
     (:mod:`hf_division.patching.training_cache`)."""
 
-    #: none, or one division leaves as it is (BART's and T5's heads build none when given labels)
+    #: none (encoders), or one division leaves as it is
     NONE = "none"
     #: a decoder's ``DynamicCache``
     DECODER = "decoder"
-    #: an ``EncoderDecoderCache`` of two caches of the decoder's depth, labels given or not (Whisper)
+    #: an encoder-decoder's ``EncoderDecoderCache``, two caches of the decoder's depth, built by its
+    #: decoder where the head leaves ``use_cache`` on: T5's and Whisper's conditional generation
+    #: always, BART's without labels (its heads, and T5's classification heads, turn it off when
+    #: given labels)
     ENCODER_DECODER = "encoder-decoder"
 
 

@@ -13,7 +13,7 @@ import torch
 from transformers.models.t5.modeling_t5 import T5DenseGatedActDense, T5LayerNorm
 
 from hf_division.patching.primitives import patch_gated_body
-from hf_division.registry import register
+from hf_division.registry import TrainingCache, register
 
 from .common import DECODER_DEFAULTS, encoder_patcher, with_patches
 
@@ -30,6 +30,6 @@ def _patch_gated_ff(state, ff: T5DenseGatedActDense) -> None:
     patch_gated_body(state, ff, ff.act, _gated_ff)
 
 
-apply_division_to_t5 = register("t5", defaults=DECODER_DEFAULTS)(
+apply_division_to_t5 = register("t5", defaults=DECODER_DEFAULTS, training_cache=TrainingCache.ENCODER_DECODER)(
     with_patches(encoder_patcher(norm_types=(T5LayerNorm,)), (T5DenseGatedActDense, _patch_gated_ff))
 )

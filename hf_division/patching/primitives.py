@@ -32,7 +32,7 @@ from hf_division.autograd.forward_mode import ForwardMode
 from hf_division.autograd.ops import CheckpointFn, GatedFn, LinearFn, RecomputeFn
 from hf_division.autograd.saved_hooks import compressed_saves
 from hf_division.autograd.padding import padding_of
-from hf_division.patching.training_cache import CacheSlot, close
+from hf_division.patching.training_cache import CacheSlot
 from hf_division.registry import TrainingCache
 from hf_division.patching.wrappers import (
     PatchState, config_for, forget_lost, in_training, unpatched_forward, wrap_forward,
@@ -219,12 +219,8 @@ def patch_root(state: PatchState, model: nn.Module, repatch,
             if cache is not None:
                 kwargs[slot.name] = cache
             signature, mode = _forward_mode(state, args, kwargs)
-            try:
-                with model_stream(self), padding_of(kwargs.get("attention_mask")), mode:
-                    out = orig(*args, **kwargs)
-            finally:
-                if cache is not None:
-                    close(cache)
+            with slot_passing(slot, cache), model_stream(self), padding_of(kwargs.get("attention_mask")), mode:
+                out = orig(*args, **kwargs)
             if signature is not None:
                 state.modes[signature] = state.modes.get(signature, False) or mode.routed > 0
             return out
@@ -232,6 +228,11 @@ def patch_root(state: PatchState, model: nn.Module, repatch,
         return forward
 
     wrap_forward(state, model, make)
+
+
+def slot_passing(slot: CacheSlot | None, cache):
+    """:meth:`CacheSlot.passing`, a null context where the family builds no cache."""
+    return contextlib.nullcontext() if slot is None else slot.passing(cache)
 
 
 #: a forward left out of :class:`ForwardMode` runs under it again every this many training forwards

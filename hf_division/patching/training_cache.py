@@ -18,6 +18,7 @@ attend to none of the past. A family declares the kind its forward builds
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 
@@ -72,9 +73,29 @@ class UnheldCache(DynamicCache):
 
 def close(cache) -> None:
     """Close the :class:`UnheldCache` ``cache`` is, or the two an ``EncoderDecoderCache`` pairs."""
-    pair = isinstance(cache, EncoderDecoderCache)
-    for part in (cache.self_attention_cache, cache.cross_attention_cache) if pair else (cache,):
+    for part in _parts(cache):
         part.closed = True
+
+
+def _parts(cache) -> tuple:
+    pair = isinstance(cache, EncoderDecoderCache)
+    return (cache.self_attention_cache, cache.cross_attention_cache) if pair else (cache,)
+
+
+def _unheld(cache) -> bool:
+    return cache is not None and all(isinstance(part, UnheldCache) for part in _parts(cache))
+
+
+def _drop_where_turned_off(module, args, kwargs):
+    """A decoder's forward pre-hook: where its head turned ``use_cache`` off (BART's heads and T5's
+    classification heads do when given labels), the unheld cache is not passed on, so that the
+    decoder builds and returns none, as the unpatched one does."""
+    if kwargs.get("use_cache") is False:
+        for name in CACHE_PARAMETERS:
+            if _unheld(kwargs.get(name)):
+                kwargs[name] = None
+        return args, kwargs
+    return None
 
 
 class CacheSlot:
@@ -84,7 +105,12 @@ class CacheSlot:
 
     def __init__(self, model: nn.Module, kind: TrainingCache):
         self.kind = kind
-        self.decoder_config = (None, None)  # (a model's config, the copy its decoder's caches are built from)
+        self.decoder_config = (None, None)  # (a config, the copy its decoder's caches are built from)
+        self.decoder = None  # an encoder-decoder's decoder, whose head decides whether it builds a cache
+        if kind is TrainingCache.ENCODER_DECODER:
+            get = getattr(model, "get_decoder", None)
+            decoder = get() if callable(get) else None
+            self.decoder = decoder if isinstance(decoder, nn.Module) and decoder is not model else None
         try:
             names = list(inspect.signature(type(model).forward).parameters)[1:]
         except (TypeError, ValueError):
@@ -110,16 +136,36 @@ class CacheSlot:
         if not getattr(config, "use_cache", False) or getattr(base, "gradient_checkpointing", False):
             return None
         if self.kind is TrainingCache.ENCODER_DECODER:
-            decoder = self.decoder_of(config)
+            # an encoder alone (T5EncoderModel) builds none; a decoder under checkpointing neither
+            # (its own flag: the model's is not set)
+            if self.decoder is None or getattr(self.decoder, "gradient_checkpointing", False):
+                return None
+            decoder = self.decoder_of(self.decoder.config)
             return EncoderDecoderCache(UnheldCache(decoder), UnheldCache(decoder))
         if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
             return None  # a decoder in an encoder-decoder model: its cache pairs a second for cross-attention
         return UnheldCache(config)
 
+    @contextlib.contextmanager
+    def passing(self, cache):
+        """While the forward that ``cache`` (:meth:`unheld`'s, or None) is passed to runs: an
+        encoder-decoder's decoder drops it where its head turned ``use_cache`` off; closed after."""
+        if cache is None:
+            yield
+            return
+        hook = None if self.decoder is None else self.decoder.register_forward_pre_hook(
+            _drop_where_turned_off, with_kwargs=True)
+        try:
+            yield
+        finally:
+            close(cache)
+            if hook is not None:
+                hook.remove()
+
     def decoder_of(self, config):
-        """``config`` with the decoder's depth as ``num_hidden_layers``, as Whisper's decoder builds
-        its caches from (a config's ``num_hidden_layers`` may name the encoder's depth: Whisper's
-        does); the copy made once per config object."""
+        """The decoder's ``config`` with its depth as ``num_hidden_layers``, as Whisper's decoder
+        builds its caches from (a config's ``num_hidden_layers`` may name the encoder's depth:
+        Whisper's and BART's do); the copy made once per config object."""
         held, copied = self.decoder_config
         if held is not config:
             copied = copy.copy(config)

@@ -89,13 +89,20 @@ def test_gradient_is_the_one_with_the_cache_held():
     assert torch.equal(unheld, held)
 
 
-def test_no_cache_under_checkpointing():
+@pytest.mark.parametrize("name", ["llama", "t5", "bart", "whisper"])
+def test_no_cache_under_checkpointing(name):
     """Transformers builds no cache under gradient checkpointing; division gives none either (a
-    cache there would change the layers' inputs' layout, not only what is held)."""
-    model = tiny_model("llama", "sdpa").train()
-    model.activation_checkpointing_enable()
+    cache there would change the layers' inputs' layout, not only what is held). An
+    encoder-decoder's flag is its decoder's, not the model's."""
+    if name == "llama":
+        model, batch = tiny_model("llama", "sdpa"), tiny_batch(model_type="llama")
+    else:
+        model, batch = _seq2seq(name)
+        batch = dict(batch, decoder_input_ids=torch.randint(5, 100, (2, 8), generator=torch.Generator().manual_seed(1)))
+    model.train().activation_checkpointing_enable()
+    assert output_cache(model(**batch)) is None
     hd.apply_division(model)
-    assert output_cache(model(**tiny_batch(model_type="llama"))) is None
+    assert output_cache(model(**batch)) is None
 
 
 def test_whisper_holds_no_cross_attention_keys_unless_asked(returned_keys):
@@ -126,3 +133,55 @@ def test_whisper_holds_no_cross_attention_keys_unless_asked(returned_keys):
     unheld = flat_grad(model, batch, 0, noise_seed=1)
     held = flat_grad(model, dict(batch, use_cache=True), 0, noise_seed=1)
     assert torch.equal(unheld, held)
+
+
+def _seq2seq(name: str):
+    """A tiny encoder-decoder with its conditional-generation head, 2 encoder and 3 decoder layers
+    (so that a cache sized by the encoder's depth shows), and its inputs without labels."""
+    import transformers as tf
+
+    ids = torch.randint(5, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+    sizes = dict(d_model=32, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4, decoder_attention_heads=4,
+                 encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=128, pad_token_id=1, bos_token_id=0, eos_token_id=2,
+                 decoder_start_token_id=0)
+    if name == "t5":
+        config = tf.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=3, num_heads=4,
+                             vocab_size=128, decoder_start_token_id=0, dropout_rate=0.0)
+        return tf.T5ForConditionalGeneration(config), {"input_ids": ids}
+    if name == "whisper":
+        config = tf.WhisperConfig(**sizes, max_source_positions=16, max_target_positions=32, num_mel_bins=8)
+        features = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(0))
+        return tf.WhisperForConditionalGeneration(config), {"input_features": features}
+    head = {"bart": tf.BartForConditionalGeneration, "mbart": tf.MBartForConditionalGeneration}[name]
+    config = {"bart": tf.BartConfig, "mbart": tf.MBartConfig}[name](**sizes, dropout=0.0)
+    return head(config), {"input_ids": ids}
+
+
+@pytest.mark.parametrize("labels", [True, False], ids=["labels", "no-labels"])
+@pytest.mark.parametrize("name", ["t5", "bart", "mbart", "whisper"])
+def test_encoder_decoder_heads_cache_as_the_unpatched_ones(name, labels):
+    """The conditional-generation heads, with labels and without (a loss computed outside the
+    model, as the Trainer's label smoothing does): where the unpatched head builds an
+    ``EncoderDecoderCache`` (T5's and Whisper's always, BART's without labels), division's
+    builds one of the decoder's depth that holds nothing; where the head turns ``use_cache`` off
+    (BART's given labels), none, as the unpatched one; the logits to the bit either way."""
+    model, batch = _seq2seq(name)
+    model.train()
+    targets = torch.randint(5, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    batch = dict(batch, labels=targets) if labels else dict(batch, decoder_input_ids=targets)
+    torch.manual_seed(0)
+    ref = model(**batch)
+    hd.apply_division(model)
+    torch.manual_seed(0)
+    out = model(**batch)
+    assert torch.equal(ref.logits, out.logits)
+    held, got = output_cache(ref), output_cache(out)
+    assert (held is None) == (name in ("bart", "mbart") and labels)
+    if held is None:
+        assert got is None
+        return
+    assert type(got) is EncoderDecoderCache
+    for part in ("self_attention_cache", "cross_attention_cache"):
+        mine, theirs = getattr(got, part), getattr(held, part)
+        assert isinstance(mine, UnheldCache) and len(mine.layers) == len(theirs.layers) == 3
+        assert not any(layer.is_initialized for layer in mine.layers)
