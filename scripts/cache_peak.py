@@ -3,12 +3,14 @@
 
 python scripts/cache_peak.py [--shape smollm2] [--layers 30] [--size 8x256] [--head lm|cls] [--lora]
 python scripts/cache_peak.py --shape whisper-small [--layers 12] [--size 2x64] [--lora]
+python scripts/cache_peak.py --shape flan-t5-base [--layers 12] [--size 8x64] [--source 512] [--lora]
 
 A random-init Llama of the cuda suite's ``--shape`` (``--layers`` deep, a 4,096-word vocabulary)
 with a causal-LM head or a two-label classification head; or, with a ``whisper-*`` shape, a
 random-init Whisper of that published shape (``--layers`` encoder and decoder layers each) with
 its conditional-generation head, on random mel features of the 30-second window and ``--size``'s
-batch x label tokens. Optionally PEFT LoRA (rank 8 on q_proj and v_proj). One training step, its
+batch x label tokens; or, with a ``flan-t5-*`` shape, T5 likewise, on ``--source`` random input
+tokens. Optionally PEFT LoRA (rank 8 on the query and value projections). One training step, its
 peak above the memory before it (:func:`hf_division.bench.peak.step_peak`: the RSS high-water
 mark, glibc set to return freed memory), the median of 3 steps after one, each arm in a child
 forked from one clean process. Arms: ``none`` as Transformers runs it (its cache built from
@@ -40,6 +42,12 @@ WHISPER = {
     "whisper-small": dict(d_model=768, encoder_layers=12, decoder_layers=12, encoder_attention_heads=12,
                           decoder_attention_heads=12, encoder_ffn_dim=3072, decoder_ffn_dim=3072),
 }
+#: published Flan-T5 shapes (google/flan-t5-*: config.json), built with random weights
+T5 = {
+    "flan-t5-small": dict(d_model=512, d_kv=64, d_ff=1024, num_layers=8, num_decoder_layers=8, num_heads=6),
+    "flan-t5-base": dict(d_model=768, d_kv=64, d_ff=2048, num_layers=12, num_decoder_layers=12, num_heads=12),
+}
+SEQ2SEQ = {**WHISPER, **T5}
 
 
 def build(args):
@@ -52,7 +60,15 @@ def build(args):
             fields.update(encoder_layers=args.layers, decoder_layers=args.layers)
         config = transformers.WhisperConfig(**fields)
         model = transformers.WhisperForConditionalGeneration._from_config(config, attn_implementation="sdpa").train()
-        task = None
+        task, targets = None, ["q_proj", "v_proj"]
+    elif args.shape in T5:
+        fields = dict(T5[args.shape], vocab_size=32128, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+                      decoder_start_token_id=0)
+        if args.layers:
+            fields.update(num_layers=args.layers, num_decoder_layers=args.layers)
+        config = transformers.T5Config(**fields)
+        model = transformers.T5ForConditionalGeneration._from_config(config, attn_implementation="sdpa").train()
+        task, targets = "SEQ_2_SEQ_LM", ["q", "v"]
     else:
         fields = dict(cuda_suite.SHAPES[args.shape], vocab_size=VOCAB)
         if args.layers:
@@ -60,22 +76,26 @@ def build(args):
         config = transformers.LlamaConfig(**fields, tie_word_embeddings=True, num_labels=2, pad_token_id=0)
         head = transformers.LlamaForSequenceClassification if args.head == "cls" else transformers.LlamaForCausalLM
         model = head._from_config(config, attn_implementation="sdpa").train()
-        task = "SEQ_CLS" if args.head == "cls" else "CAUSAL_LM"
+        task, targets = "SEQ_CLS" if args.head == "cls" else "CAUSAL_LM", ["q_proj", "v_proj"]
     if args.lora:
         import peft
 
-        model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"], task_type=task))
+        model = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=targets, task_type=task))
     return model
 
 
 def batch_of(args) -> dict:
     """Random tokens for a Llama; for Whisper, mel features of the 30-second window (3,000 frames)
-    and ``--size``'s label tokens."""
+    and ``--size``'s label tokens; for T5, ``--source`` input tokens and ``--size``'s labels."""
     batch_size, tokens = args.size
     g = torch.Generator().manual_seed(0)
     if args.shape in WHISPER:
         return {"input_features": torch.randn(batch_size, 80, 3000, generator=g),
                 "labels": torch.randint(1, 51865, (batch_size, tokens), generator=g)}
+    if args.shape in T5:
+        ids = torch.randint(1, 32128, (batch_size, args.source), generator=g)
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                "labels": torch.randint(1, 32128, (batch_size, tokens), generator=g)}
     ids = torch.randint(1, VOCAB, (batch_size, tokens), generator=g)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
             "labels": torch.zeros(batch_size, dtype=torch.long) if args.head == "cls" else ids}
@@ -116,21 +136,23 @@ def job(item: tuple) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", default="smollm2", choices=sorted(cuda_suite.SHAPES) + sorted(WHISPER))
-    ap.add_argument("--layers", type=int, help="the shape's depth (Whisper: of its encoder and of its decoder)")
-    ap.add_argument("--size", help="batch x tokens (Whisper: x label tokens); default 8x256, Whisper 2x64")
+    ap.add_argument("--shape", default="smollm2", choices=sorted(cuda_suite.SHAPES) + sorted(SEQ2SEQ))
+    ap.add_argument("--layers", type=int, help="the shape's depth (Whisper, T5: of the encoder and of the decoder)")
+    ap.add_argument("--size", help="batch x tokens (Whisper, T5: x label tokens); default 8x256, Whisper 2x64, T5 8x64")
+    ap.add_argument("--source", type=int, default=512, help="T5's input tokens")
     ap.add_argument("--head", default="lm", choices=["lm", "cls"], help="a Llama's head")
     ap.add_argument("--lora", action="store_true", help="PEFT LoRA, rank 8 on q_proj and v_proj")
     args = ap.parse_args(argv)
-    whisper = args.shape in WHISPER
-    args.size = tuple(int(v) for v in (args.size or ("2x64" if whisper else "8x256")).split("x"))
+    seq2seq = args.shape in SEQ2SEQ
+    default = "2x64" if args.shape in WHISPER else "8x64" if seq2seq else "8x256"
+    args.size = tuple(int(v) for v in (args.size or default).split("x"))
     if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):  # glibc reads these at start-up only
         os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, **MALLOC_ENV))
-    shape = WHISPER[args.shape] if whisper else cuda_suite.SHAPES[args.shape]
-    layers = args.layers or shape["decoder_layers" if whisper else "num_hidden_layers"]
-    head = "conditional-generation" if whisper else args.head
+    shape = SEQ2SEQ[args.shape] if seq2seq else cuda_suite.SHAPES[args.shape]
+    layers = args.layers or shape.get("decoder_layers") or shape.get("num_decoder_layers") or shape["num_hidden_layers"]
+    head = "conditional-generation" if seq2seq else args.head
     print(f"{args.shape} shape, {layers} layers, {head} head{' with LoRA' if args.lora else ''}, "
-          f"{args.size[0]} x {args.size[1]} {'label ' if whisper else ''}tokens, float32")
+          f"{args.size[0]} x {args.size[1]} {'label ' if seq2seq else ''}tokens, float32")
     print(f"{'arm':<10} {'use_cache passed':>16} {'cache MiB':>10} {'step peak MiB':>14}")
     for r in forked(job, [(arm, args) for arm in ARMS]):
         passed = "not passed" if r["use_cache"] is None else str(r["use_cache"])
