@@ -1,8 +1,9 @@
 """A KV cache that holds nothing, for a training forward with division.
 
 Why: Transformers' decoders build a ``DynamicCache`` in every forward where ``config.use_cache``
-is on and checkpointing is off, training included (Whisper an ``EncoderDecoderCache`` of two, the
-cross-attention's keys and values over every audio frame in the second). In the unpatched model
+is on and checkpointing is off, training included (an encoder-decoder's decoder an
+``EncoderDecoderCache`` of two, the cross-attention's keys and values over every encoder token in
+the second, where its head leaves ``use_cache`` on). In the unpatched model
 the cache's keys and values are the tensors autograd keeps for the attention's backward, so the
 cache costs nothing more; with division autograd keeps compressed copies, and the cache held
 every layer's keys and values whole beside them until the output was dropped (docs/DESIGN.md,
