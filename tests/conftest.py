@@ -31,6 +31,17 @@ from hf_division.kernels import triton_codec
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS) if _WORKERS else 2)
 
+@pytest.fixture(autouse=True)
+def _threads_kept():
+    """The suites' ``main`` sets torch's threads for its measurements (2, the measuring machine's
+    cores); called in a test, it left them so for every later test of its worker, and two workers
+    of 2 threads each oversubscribed the cores. Each test ends with its worker's count restored."""
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 def pytest_configure(config):
     # a file of 40 s or more of test time (--durations=0 on a 2-core machine) has pytest.mark.heavy
     # in its pytestmark
