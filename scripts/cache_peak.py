@@ -141,7 +141,7 @@ def main(argv=None) -> None:
     ap.add_argument("--size", help="batch x tokens (Whisper, T5: x label tokens); default 8x256, Whisper 2x64, T5 8x64")
     ap.add_argument("--source", type=int, default=512, help="T5's input tokens")
     ap.add_argument("--head", default="lm", choices=["lm", "cls"], help="a Llama's head")
-    ap.add_argument("--lora", action="store_true", help="PEFT LoRA, rank 8 on q_proj and v_proj")
+    ap.add_argument("--lora", action="store_true", help="PEFT LoRA, rank 8 on the query and value projections")
     args = ap.parse_args(argv)
     seq2seq = args.shape in SEQ2SEQ
     default = "2x64" if args.shape in WHISPER else "8x64" if seq2seq else "8x256"

@@ -31,6 +31,7 @@ from hf_division.kernels import triton_codec
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS) if _WORKERS else 2)
 
+
 @pytest.fixture(autouse=True)
 def _threads_kept():
     """The suites' ``main`` sets torch's threads for its measurements (2, the measuring machine's

@@ -236,7 +236,8 @@ def test_interrupted_step_leaves_nothing_behind(where, error, batch):
     # freed by reference counting alone: a cycle through an entry would hold its compressed copy
     # until the collector happened to run, so the collector stays off while this checks
     gc.collect()
-    # what other tests left (an expected failure's traceback, kept by pytest, holds its frames)
+    # entries earlier tests of this process left alive are not this step's (one full run's order
+    # left 6; what held them was not found)
     before = live_count()
     gc.disable()
     try:

@@ -219,7 +219,8 @@ def patch_root(state: PatchState, model: nn.Module, repatch,
             if cache is not None:
                 kwargs[slot.name] = cache
             signature, mode = _forward_mode(state, args, kwargs)
-            with slot_passing(slot, cache), model_stream(self), padding_of(kwargs.get("attention_mask")), mode:
+            passing = contextlib.nullcontext() if cache is None else slot.passing(cache)
+            with passing, model_stream(self), padding_of(kwargs.get("attention_mask")), mode:
                 out = orig(*args, **kwargs)
             if signature is not None:
                 state.modes[signature] = state.modes.get(signature, False) or mode.routed > 0
@@ -228,11 +229,6 @@ def patch_root(state: PatchState, model: nn.Module, repatch,
         return forward
 
     wrap_forward(state, model, make)
-
-
-def slot_passing(slot: CacheSlot | None, cache):
-    """:meth:`CacheSlot.passing`, a null context where the family builds no cache."""
-    return contextlib.nullcontext() if slot is None else slot.passing(cache)
 
 
 #: a forward left out of :class:`ForwardMode` runs under it again every this many training forwards

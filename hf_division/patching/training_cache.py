@@ -106,12 +106,19 @@ class CacheSlot:
 
     def __init__(self, model: nn.Module, kind: TrainingCache):
         self.kind = kind
-        self.decoder_config = (None, None)  # (a config, the copy its decoder's caches are built from)
         self.decoder = None  # an encoder-decoder's decoder, whose head decides whether it builds a cache
         if kind is TrainingCache.ENCODER_DECODER:
             get = getattr(model, "get_decoder", None)
             decoder = get() if callable(get) else None
             self.decoder = decoder if isinstance(decoder, nn.Module) and decoder is not model else None
+        # what the decoder's caches are built from: its config with its depth as ``num_hidden_layers``,
+        # as Whisper's decoder builds them (a config's ``num_hidden_layers`` may name the encoder's
+        # depth: Whisper's and BART's do)
+        self.decoder_config = None
+        if self.decoder is not None:
+            config = self.decoder.config
+            self.decoder_config = copy.copy(config)
+            self.decoder_config.num_hidden_layers = getattr(config, "decoder_layers", config.num_hidden_layers)
         try:
             names = list(inspect.signature(type(model).forward).parameters)[1:]
         except (TypeError, ValueError):
@@ -141,19 +148,15 @@ class CacheSlot:
             # (its own flag: the model's is not set)
             if self.decoder is None or getattr(self.decoder, "gradient_checkpointing", False):
                 return None
-            decoder = self.decoder_of(self.decoder.config)
-            return EncoderDecoderCache(UnheldCache(decoder), UnheldCache(decoder))
+            return EncoderDecoderCache(UnheldCache(self.decoder_config), UnheldCache(self.decoder_config))
         if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
             return None  # a decoder in an encoder-decoder model: its cache pairs a second for cross-attention
         return UnheldCache(config)
 
     @contextlib.contextmanager
     def passing(self, cache):
-        """While the forward that ``cache`` (:meth:`unheld`'s, or None) is passed to runs: an
+        """While the forward that ``cache`` (:meth:`unheld`'s) is passed to runs: an
         encoder-decoder's decoder drops it where its head turned ``use_cache`` off; closed after."""
-        if cache is None:
-            yield
-            return
         hook = None if self.decoder is None else self.decoder.register_forward_pre_hook(
             _drop_where_turned_off, with_kwargs=True)
         try:
@@ -162,14 +165,3 @@ class CacheSlot:
             close(cache)
             if hook is not None:
                 hook.remove()
-
-    def decoder_of(self, config):
-        """The decoder's ``config`` with its depth as ``num_hidden_layers``, as Whisper's decoder
-        builds its caches from (a config's ``num_hidden_layers`` may name the encoder's depth:
-        Whisper's and BART's do); the copy made once per config object."""
-        held, copied = self.decoder_config
-        if held is not config:
-            copied = copy.copy(config)
-            copied.num_hidden_layers = getattr(config, "decoder_layers", config.num_hidden_layers)
-            self.decoder_config = (config, copied)
-        return copied

@@ -1,5 +1,5 @@
 """The KV cache of a training forward with division (hf_division/patching/training_cache.py): a
-decoder's ``DynamicCache`` and Whisper's ``EncoderDecoderCache``."""
+decoder's ``DynamicCache`` and an encoder-decoder's ``EncoderDecoderCache`` (T5, BART, Whisper)."""
 import inspect
 import weakref
 
