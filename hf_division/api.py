@@ -20,7 +20,7 @@ from hf_division.patching.primitives import (
     patch_causal_lm_loss, patch_checkpointing, patch_root, restore_loss_functions, restore_rotary,
 )
 from hf_division.patching.wrappers import PatchState, layer_names, restore_forward, unwrap
-from hf_division.registry import TrainingCache, fallback, family, supported_model_types
+from hf_division.registry import CheckpointForward, TrainingCache, fallback, family, supported_model_types
 
 __all__ = ["apply_division", "remove_division", "restored_division", "division_config_of", "patched_modules",
            "supported_model_types", "unwrap", "patched_again"]
@@ -51,7 +51,9 @@ def apply_division(model: nn.Module, config: DivisionConfig | None = None) -> nn
             _patch_new_modules(base, current, patcher)  # e.g. adapters added since
             return model
         remove_division(base)
-    state = PatchState(config, names={id(m): name for name, m in base.named_modules()})
+    found = family(model_type)
+    state = PatchState(config, names={id(m): name for name, m in base.named_modules()},
+                       recorded_checkpoint=found is not None and found.checkpoint_forward is CheckpointForward.AS_CHECKPOINTED)
     unknown = [n for n in config.override_names() if n not in state.names.values()]
     if unknown:
         raise ValueError(
@@ -59,7 +61,6 @@ def apply_division(model: nn.Module, config: DivisionConfig | None = None) -> nn
         )
     try:
         _patch_all(base, state, patcher)
-        found = family(model_type)
         patch_root(state, base, lambda: _patch_new_modules(base, state, patcher),
                    training_cache=TrainingCache.NONE if found is None else found.training_cache)
     except BaseException:

@@ -40,16 +40,30 @@ class TrainingCache(enum.Enum):
     ENCODER_DECODER = "encoder-decoder"
 
 
+class CheckpointForward(enum.Enum):
+    """How division runs the first forward of a layer Transformers checkpoints, whose inputs
+    alone it keeps (docs/DESIGN.md, "Bit-identical forward")."""
+
+    #: without autograd, which records nothing (the least host time)
+    BARE = "bare"
+    #: as the model's checkpointing function runs it: where that is non-reentrant (Transformers'
+    #: default), under autograd with every saved tensor dropped; for families whose forward reads
+    #: gradient flags (T5's sdpa picks its kernel by whether its additive mask needs a gradient)
+    AS_CHECKPOINTED = "as-checkpointed"
+
+
 @dataclass(frozen=True)
 class Family:
     """How to patch one architecture: ``apply(model, state)``, its default config fields,
     ``by_shape(model_config)``: the fields whose default differs again for a model of that shape,
-    and ``training_cache``: the KV cache its models build in a training forward."""
+    ``training_cache``: the KV cache its models build in a training forward, and
+    ``checkpoint_forward``: how a checkpointed layer's first forward runs."""
 
     apply: Callable
     defaults: Mapping = field(default_factory=dict)
     by_shape: Callable[[object], Mapping] | None = None
     training_cache: TrainingCache = TrainingCache.NONE
+    checkpoint_forward: CheckpointForward = CheckpointForward.BARE
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -80,18 +94,21 @@ def _load(model_type: str | None) -> None:
 
 
 def register(*model_types: str, defaults: Mapping | None = None, by_shape: Callable[[object], Mapping] | None = None,
-             training_cache: TrainingCache = TrainingCache.NONE):
+             training_cache: TrainingCache = TrainingCache.NONE,
+             checkpoint_forward: CheckpointForward = CheckpointForward.BARE):
     """Decorator: register a patcher ``apply(model, state)`` for ``model_types``; returns it.
     ``defaults``: the config fields whose measured default differs for them; ``by_shape``: given a
     model's ``config``, the fields whose default differs again for that model (e.g. by width);
-    ``training_cache``: :attr:`Family.training_cache`."""
+    ``training_cache`` and ``checkpoint_forward``: :class:`Family`'s."""
     if not model_types:
         raise ValueError("register: name at least one model_type")
     if not isinstance(training_cache, TrainingCache):
         raise TypeError(f"register: training_cache must be a TrainingCache, got {training_cache!r}")
+    if not isinstance(checkpoint_forward, CheckpointForward):
+        raise TypeError(f"register: checkpoint_forward must be a CheckpointForward, got {checkpoint_forward!r}")
 
     def decorate(apply: Callable) -> Callable:
-        family = Family(apply, MappingProxyType(dict(defaults or {})), by_shape, training_cache)
+        family = Family(apply, MappingProxyType(dict(defaults or {})), by_shape, training_cache, checkpoint_forward)
         for model_type in model_types:
             if model_type in _FAMILIES and _FAMILIES[model_type].apply is not apply:
                 raise ValueError(f"hf-division: model_type {model_type!r} is registered twice")

@@ -3,7 +3,9 @@
 
 Attention goes through Transformers' attention interface (eager and sdpa), with the position bias
 as a keyword tensor: ``AttentionFn`` takes it as an extra differentiated input, so the bias
-embedding still gets its gradient. The bias is ``(1, heads, T, T)``, computed once per stack and
+embedding still gets its gradient. The additive mask built from it needs a gradient too, and sdpa
+picks its kernel by that, so a checkpointed layer's first forward runs under autograd as the
+unpatched one's does (``CheckpointForward.AS_CHECKPOINTED``). The bias is ``(1, heads, T, T)``, computed once per stack and
 shared by its layers, so it is kept as it is (one copy per stack). Cross-attention keys/values are
 the encoder output, kept compressed once and shared by every decoder layer's k and v projections.
 The gated feed-forward differs from Llama's only in names and in a dropout between the product and
@@ -13,7 +15,7 @@ import torch
 from transformers.models.t5.modeling_t5 import T5DenseGatedActDense, T5LayerNorm
 
 from hf_division.patching.primitives import patch_gated_body
-from hf_division.registry import TrainingCache, register
+from hf_division.registry import CheckpointForward, TrainingCache, register
 
 from .common import DECODER_DEFAULTS, encoder_patcher, with_patches
 
@@ -30,6 +32,7 @@ def _patch_gated_ff(state, ff: T5DenseGatedActDense) -> None:
     patch_gated_body(state, ff, ff.act, _gated_ff)
 
 
-apply_division_to_t5 = register("t5", defaults=DECODER_DEFAULTS, training_cache=TrainingCache.ENCODER_DECODER)(
+apply_division_to_t5 = register("t5", defaults=DECODER_DEFAULTS, training_cache=TrainingCache.ENCODER_DECODER,
+                               checkpoint_forward=CheckpointForward.AS_CHECKPOINTED)(
     with_patches(encoder_patcher(norm_types=(T5LayerNorm,)), (T5DenseGatedActDense, _patch_gated_ff))
 )

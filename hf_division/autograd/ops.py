@@ -257,6 +257,19 @@ def _as_is(t):
     return t
 
 
+def _dropped(_):
+    """Saved-tensor pack hook of a recorded first forward (:class:`CheckpointFn`): keeps nothing."""
+    return None
+
+
+def _never_unpacked(_):
+    raise RuntimeError("hf-division: a checkpointed layer's first forward keeps nothing for backward")
+
+
+def _detached(out):
+    return out.detach() if isinstance(out, torch.Tensor) else out
+
+
 class AttentionFn(torch.autograd.Function):
     """An attention function ``call(q, k, v, *extra) -> out``.
 
@@ -320,7 +333,7 @@ class CheckpointFn(torch.autograd.Function):
     backpropagates. Like reentrant checkpointing, gradients flow to positional tensor inputs."""
 
     @staticmethod
-    def forward(ctx, run: Callable, config: DivisionConfig, *args):
+    def forward(ctx, run: Callable, config: DivisionConfig, recorded: bool, *args):
         ctx.run, ctx.rng = run, RngState(args)
         # only activations (tensors needing a gradient) are compressed: a float additive attention
         # mask (BERT eager passes it positionally) must stay exact, its -inf/-max entries would be lost
@@ -329,14 +342,23 @@ class CheckpointFn(torch.autograd.Function):
                     and a.requires_grad else a for a in args]
         account_tensors([a for a in ctx.args if isinstance(a, torch.Tensor)] + ctx.rng.tensors(), "norm")
         ctx.amp = autocast_state()
-        with torch.no_grad():
-            return ctx.run(*args)
+        if not recorded:
+            with torch.no_grad():
+                return ctx.run(*args)
+        # ``recorded``: as non-reentrant checkpointing runs it, under autograd with every saved
+        # tensor dropped as it is saved, so a forward that reads gradient flags reads what the
+        # unpatched one reads (T5's additive mask needs a gradient there, and sdpa picks its kernel
+        # by that: docs/DESIGN.md, "Bit-identical forward"); run as the recomputation runs it
+        leaves = [a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]
+        with torch.enable_grad(), recomputing(), torch.autograd.graph.saved_tensors_hooks(_dropped, _never_unpacked):
+            out = ctx.run(*leaves)
+        return tuple(_detached(o) for o in out) if isinstance(out, tuple) else _detached(out)
 
     @staticmethod
     @first_order
     def backward(ctx, *grads):
         args = []
-        for a, need in zip(ctx.args, ctx.needs_input_grad[2:]):
+        for a, need in zip(ctx.args, ctx.needs_input_grad[3:]):
             if isinstance(a, Entry):
                 a = a.take().detach().requires_grad_(need)
             args.append(a)
@@ -346,7 +368,7 @@ class CheckpointFn(torch.autograd.Function):
         outs = out if isinstance(out, tuple) else (out,)
         pairs = [(o, g) for o, g in zip(outs, grads) if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, None, *(a.grad if isinstance(a, torch.Tensor) and a.requires_grad else None for a in args))
+        return (None, None, None, *(a.grad if isinstance(a, torch.Tensor) and a.requires_grad else None for a in args))
 
 
 # torch.compile(model): these Functions keep Python state for backward (store entries, weak

@@ -273,7 +273,10 @@ def patch_checkpointing(state: PatchState, model: nn.Module) -> None:
     """Layers Transformers checkpoints (``GradientCheckpointingLayer`` with checkpointing on, e.g.
     ``activation_checkpointing_enable(every_n_layers=...)``) run through :class:`CheckpointFn`:
     the boundary input is kept compressed instead of whole, and the recomputation in backward
-    saves nothing compressed. Checked at call time, so enabling checkpointing later works too."""
+    saves nothing compressed. Checked at call time, so enabling checkpointing later works too.
+    The first forward runs without autograd, or, where ``state.recorded_checkpoint`` and the
+    layer's checkpointing function is non-reentrant, under it as that function runs it
+    (:class:`~hf_division.registry.CheckpointForward`)."""
 
     def make(orig, config):
         def forward(self, *args, **kwargs):
@@ -285,7 +288,8 @@ def patch_checkpointing(state: PatchState, model: nn.Module) -> None:
                 names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
                 run = functools.partial(_call_split, inner, self, len(args), names,
                                         {k: v for k, v in kwargs.items() if k not in names})
-                return CheckpointFn.apply(run, config, *args, *(kwargs[k] for k in names))
+                recorded = state.recorded_checkpoint and not _reentrant(self)
+                return CheckpointFn.apply(run, config, recorded, *args, *(kwargs[k] for k in names))
             return orig(*args, **kwargs)
 
         return forward
@@ -293,6 +297,15 @@ def patch_checkpointing(state: PatchState, model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, GradientCheckpointingLayer):
             wrap_forward(state, module, functools.partial(make, config=config_for(state, module)))
+
+
+def _reentrant(layer: nn.Module) -> bool:
+    """Whether ``layer``'s checkpointing function is reentrant (runs the first forward without
+    autograd), by the keywords Transformers bound it with (``activation_checkpointing_kwargs``,
+    whose default is ``{"use_reentrant": False}``); where they do not say, by
+    ``torch.utils.checkpoint.checkpoint``'s own default, reentrant."""
+    reentrant = getattr(getattr(layer, "_gradient_checkpointing_func", None), "keywords", {}).get("use_reentrant")
+    return True if reentrant is None else bool(reentrant)
 
 
 def _call_split(fn, module, n_args: int, names: list, kwargs: dict, *inputs):

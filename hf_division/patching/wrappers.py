@@ -29,6 +29,7 @@ class PatchState:
     declined: set = field(default_factory=set)  # Linear subclasses left exact, warned about once each
     modes: dict = field(default_factory=dict)  # a training forward's signature -> whether ForwardMode routed in it
     forwards: int = 0  # training forwards run by the root
+    recorded_checkpoint: bool = False  # the family's ``CheckpointForward`` is ``AS_CHECKPOINTED``
 
 
 def layer_names(model: nn.Module) -> list[str]:

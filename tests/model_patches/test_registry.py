@@ -58,6 +58,17 @@ def test_a_training_cache_is_a_kind_not_a_flag():
     assert registry.family("whisper").training_cache is registry.TrainingCache.ENCODER_DECODER
 
 
+def test_how_a_checkpointed_first_forward_runs_is_a_kind():
+    """``checkpoint_forward`` takes a :class:`~hf_division.registry.CheckpointForward`; T5
+    declares that its checkpointed first forward runs as the model's checkpointing runs it, the
+    other families that it runs bare."""
+    with pytest.raises(TypeError, match="checkpoint_forward must be a CheckpointForward"):
+        registry.register("not-a-model-type", checkpoint_forward=True)
+    assert registry.family("not-a-model-type") is None
+    assert registry.family("t5").checkpoint_forward is registry.CheckpointForward.AS_CHECKPOINTED
+    assert registry.family("llama").checkpoint_forward is registry.CheckpointForward.BARE
+
+
 PROBE = r"""
 import json, sys
 def modeling():

@@ -6,6 +6,7 @@ import transformers as tf
 
 import hf_division as hd
 from hf_division.analysis.fidelity import gradient_cosine
+from hf_division.analysis.measure import held_bytes
 
 from conftest import pixel_batch, tiny_batch, tiny_config
 
@@ -61,19 +62,17 @@ def test_t5_heads(head, impl):
     _check(model, batch, min_ratio=4 if head == "lm" else None)
 
 
-@pytest.mark.parametrize("checkpointing", [
-    False,
-    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
-        "known exception: division's checkpointed first forward runs without autograd, so sdpa "
-        "sees T5's mask without a gradient and picks another kernel (docs/GUIDE.md, 'Exact')"))),
-], ids=["plain", "checkpointing"])
+@pytest.mark.parametrize("checkpointing", [None, {"use_reentrant": False}, {"use_reentrant": True}],
+                         ids=["plain", "checkpointing", "reentrant"])
 def test_t5_without_dropout_bit_identical(checkpointing):
     """T5 with sdpa and ``dropout_rate=0``: its additive mask is built from the position bias,
     which needs a gradient, so sdpa runs its math kernel; division's attention calls it so
-    (before, it ran flash there, and the logits differed by about 1e-6)."""
+    (before, it ran flash there, and the logits differed by about 1e-6). Checkpointed, the first
+    forward runs as the model's checkpointing function runs it: non-reentrant (Transformers'
+    default) under autograd, so the mask needs a gradient there too; reentrant without it."""
     model = _model(tf.T5ForConditionalGeneration, "t5", "sdpa", dropout_rate=0.0)
-    if checkpointing:
-        model.gradient_checkpointing_enable()
+    if checkpointing is not None:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
     ids, mask = _t5_tokens(seq=40)
     batch = {"input_ids": ids, "attention_mask": mask, "labels": ids}
     model.train()
@@ -81,7 +80,7 @@ def test_t5_without_dropout_bit_identical(checkpointing):
     ref = model(**batch).logits
     hd.apply_division(model)
     torch.manual_seed(3)
-    out = model(**batch).logits.detach()  # its graph is not kept by the expected failure's traceback
+    out = model(**batch).logits
     assert torch.equal(ref, out)
 
 
@@ -167,3 +166,24 @@ def test_vit_257_tokens_default(hidden):
     batch = pixel_batch(batch=4, image_size=64)
     assert min(gradient_cosine(model, batch, seeds=(0, 1))) >= 0.99
     assert hd.measure_activation_memory(model, batch).ratio >= 4
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_t5_checkpointed_first_forward_holds_nothing_more(impl):
+    """T5's checkpointed first forward runs under autograd (``CheckpointForward.AS_CHECKPOINTED``)
+    and drops what autograd saves there: division holds the bytes it holds with the first forward
+    run without autograd, and with dropout the gradient is division's (the recomputation replays
+    the first forward's draws)."""
+    model = _model(tf.T5ForConditionalGeneration, "t5", impl)
+    assert model.config.dropout_rate > 0
+    model.activation_checkpointing_enable()
+    ids, mask = _t5_tokens(seq=40)
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    _check(model, batch)
+    hd.apply_division(model)
+    state = model.__dict__["_division_state"]
+    assert state.recorded_checkpoint
+    recorded, _ = held_bytes(model, batch)
+    state.recorded_checkpoint = False
+    bare, _ = held_bytes(model, batch)
+    assert recorded == bare > 0
