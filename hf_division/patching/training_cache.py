@@ -25,6 +25,7 @@ import inspect
 
 from torch import nn
 from transformers import DynamicCache, EncoderDecoderCache
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from hf_division.registry import TrainingCache
 
@@ -119,6 +120,14 @@ class CacheSlot:
             config = self.decoder.config
             self.decoder_config = copy.copy(config)
             self.decoder_config.num_hidden_layers = getattr(config, "decoder_layers", config.num_hidden_layers)
+        # the module whose flag Transformers reads to build no cache under checkpointing
+        # (``merge_with_config_defaults`` on the forward that builds it): an encoder-decoder's
+        # decoder; else the base model, or where that has none, the first module below it that
+        # has one (OPT's ``OPTDecoder``)
+        base = getattr(model, "base_model", model)
+        self.checkpointing = self.decoder if self.decoder is not None else next(
+            (m for m in base.modules() if hasattr(m, "gradient_checkpointing") and not isinstance(m, GradientCheckpointingLayer)),
+            base)
         try:
             names = list(inspect.signature(type(model).forward).parameters)[1:]
         except (TypeError, ValueError):
@@ -137,16 +146,12 @@ class CacheSlot:
         if any(kwargs.get(n) is not None for n in CACHE_PARAMETERS):
             return None
         config = model.config
-        # the base model's flag is what Transformers reads to build no cache under checkpointing
-        # (``merge_with_config_defaults``): one attribute read a forward, where
-        # ``is_activation_checkpointing`` walks every module (host time: DESIGN.md, "On a GPU")
-        base = getattr(model, "base_model", model)
-        if not getattr(config, "use_cache", False) or getattr(base, "gradient_checkpointing", False):
+        # one attribute read a forward, where ``is_activation_checkpointing`` walks every module
+        # (host time: DESIGN.md, "On a GPU")
+        if not getattr(config, "use_cache", False) or getattr(self.checkpointing, "gradient_checkpointing", False):
             return None
         if self.kind is TrainingCache.ENCODER_DECODER:
-            # an encoder alone (T5EncoderModel) builds none; a decoder under checkpointing neither
-            # (its own flag: the model's is not set)
-            if self.decoder is None or getattr(self.decoder, "gradient_checkpointing", False):
+            if self.decoder is None:  # an encoder alone (T5EncoderModel) builds none
                 return None
             return EncoderDecoderCache(UnheldCache(self.decoder_config), UnheldCache(self.decoder_config))
         if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):

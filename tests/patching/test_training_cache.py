@@ -10,6 +10,7 @@ from transformers import DynamicCache, EncoderDecoderCache
 import hf_division as hd
 from hf_division.analysis.fidelity import flat_grad
 from hf_division.patching.training_cache import UnheldCache, output_cache
+from hf_division.registry import TrainingCache, family
 
 from conftest import tiny_batch, tiny_model
 
@@ -89,13 +90,17 @@ def test_gradient_is_the_one_with_the_cache_held():
     assert torch.equal(unheld, held)
 
 
-@pytest.mark.parametrize("name", ["llama", "t5", "bart", "whisper"])
+DECODERS = [t for t in hd.supported_model_types() if family(t).training_cache is TrainingCache.DECODER]
+
+
+@pytest.mark.parametrize("name", DECODERS + ["t5", "bart", "whisper"])
 def test_no_cache_under_checkpointing(name):
     """Transformers builds no cache under gradient checkpointing; division gives none either (a
-    cache there would change the layers' inputs' layout, not only what is held). An
-    encoder-decoder's flag is its decoder's, not the model's."""
-    if name == "llama":
-        model, batch = tiny_model("llama", "sdpa"), tiny_batch(model_type="llama")
+    cache there would change the layers' inputs' layout, not only what is held, and a layer's
+    recomputation in backward would update it once closed). The flag is that of the module that
+    builds the cache: an encoder-decoder's decoder, OPT's ``OPTDecoder`` inside ``OPTModel``."""
+    if name in DECODERS:
+        model, batch = tiny_model(name, "eager"), tiny_batch(model_type=name)
     else:
         model, batch = _seq2seq(name)
         batch = dict(batch, decoder_input_ids=torch.randint(5, 100, (2, 8), generator=torch.Generator().manual_seed(1)))
