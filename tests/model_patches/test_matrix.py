@@ -2,7 +2,7 @@
 and fp16 autocast) x padding (none, right, left as in generation-style batches) x attention (eager,
 sdpa), each at a sequence length that is a multiple of the block and group sizes and one that is
 not, at batch 1 and batch > 1, the backward called outside autocast and inside it (which PyTorch
-allows). Each case runs one step with division and the same step unpatched, and checks what the
+allows), with Transformers' activation checkpointing (TRL's default) and without. Each case runs one step with division and the same step unpatched, and checks what the
 product promises: the training forward and its loss bit-identical, every parameter that gets a gradient
 unpatched gets one, and the gradient within the bounds of docs/GUIDE.md ("Gradient fidelity").
 
@@ -46,10 +46,13 @@ def _cases():
         paddings = PADDINGS if model_type in TOKENS else ["none"]
         combos = list(itertools.product(PRECISIONS, paddings, IMPLS))
         for i, (precision, padding, impl) in enumerate(combos):
-            # every family sees every shape and both backward placements, spread over its combos
+            # every family sees every shape and both backward placements, spread over its combos, and
+            # checkpointing in a third of them: every precision, padding and attention once at least
             seq, batch = SHAPES[i % len(SHAPES)]
-            name = f"{model_type}-{precision}-{padding}-{impl}-{seq}x{batch}-{'inside' if i % 2 else 'outside'}"
-            yield pytest.param(model_type, precision, padding, impl, seq, batch, i % 2 == 1, id=name)
+            ckpt = (i + i // 6) % 3 == 1
+            name = (f"{model_type}-{precision}-{padding}-{impl}-{seq}x{batch}-{'inside' if i % 2 else 'outside'}"
+                    + ("-checkpointing" if ckpt else ""))
+            yield pytest.param(model_type, precision, padding, impl, seq, batch, i % 2 == 1, ckpt, id=name)
 
 
 def _model(model_type: str, impl: str):
@@ -94,14 +97,17 @@ def _step(model, batch: dict, amp, inside: bool):
     return out.logits.detach(), out.loss.detach(), grads
 
 
-@pytest.mark.parametrize("model_type,precision,padding,impl,seq,batch,inside", list(_cases()))
-def test_step_matches_the_unpatched_model(model_type, precision, padding, impl, seq, batch, inside):
-    _check_step(model_type, precision, padding, impl, seq, batch, inside)
+@pytest.mark.parametrize("model_type,precision,padding,impl,seq,batch,inside,checkpointing", list(_cases()))
+def test_step_matches_the_unpatched_model(model_type, precision, padding, impl, seq, batch, inside, checkpointing):
+    _check_step(model_type, precision, padding, impl, seq, batch, inside, checkpointing=checkpointing)
 
 
-def _check_step(model_type, precision, padding, impl, seq, batch, inside, config=None):
-    """One step with division (``config``; None: the default) against the unpatched model's."""
+def _check_step(model_type, precision, padding, impl, seq, batch, inside, config=None, checkpointing=False):
+    """One step with division (``config``; None: the default) against the unpatched model's, both
+    with Transformers' activation checkpointing where asked and the model supports it."""
     model = _model(model_type, impl)
+    if checkpointing and model.supports_gradient_checkpointing:
+        model.activation_checkpointing_enable()
     data = _batch(model_type, padding, seq, batch)
     amp = PRECISIONS[precision]
     logits, loss, exact = _step(model, data, amp, inside)
