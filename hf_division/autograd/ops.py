@@ -253,17 +253,16 @@ class RngState:
             yield
 
 
-def _as_is(t):
-    return t
-
-
 def _dropped(_):
-    """Saved-tensor pack hook of a recorded first forward (:class:`CheckpointFn`): keeps nothing."""
+    """Saved-tensor pack hook of a graph recorded only to run as the unpatched model runs, never
+    backpropagated (:class:`AttentionFn`'s extra inputs, :class:`CheckpointFn`'s recorded first
+    forward): it keeps nothing. Keeping the tensor as it is would leak the graph: a saved output's
+    ``grad_fn`` is the node that saves it, a cycle in C++ that no ``gc.collect()`` breaks."""
     return None
 
 
 def _never_unpacked(_):
-    raise RuntimeError("hf-division: a checkpointed layer's first forward keeps nothing for backward")
+    raise RuntimeError("hf-division: a graph recorded only to run as the unpatched model runs keeps nothing for backward")
 
 
 def _detached(out):
@@ -292,10 +291,9 @@ class AttentionFn(torch.autograd.Function):
                 # as the unpatched model calls it: an additive mask built from a tensor that needs
                 # a gradient (T5's position bias) needs one too, and sdpa then picks another kernel
                 # (on the CPU: the math one, not flash), whose output differs in the last bits. The
-                # graph this records is dropped with it; what it saves, held as it is meanwhile, is
-                # no saved activation of the model's (nothing counts or compresses it)
+                # graph this records saves nothing and is dropped with the output
                 leaves = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v, *extra)]
-                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_as_is, _as_is):
+                with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_dropped, _never_unpacked):
                     out = call(*leaves).detach()
             else:
                 out = call(q, k, v, *extra)

@@ -11,6 +11,7 @@ fine-tune of one computes); the others keep their tiny classification head. Fami
 is not a token sequence (pixels, audio) have no padding axis and run the precision x attention
 cases only.
 """
+import gc
 import itertools
 
 import pytest
@@ -39,6 +40,19 @@ SHAPES = [(64, 3), (37, 1), (37, 3), (64, 1)]
 #: whole-gradient cosine and per-tensor cosine (tensors with >= 1% of the gradient's norm), one noise
 #: draw per case; measured minima over the matrix are in docs/GUIDE.md ("Gradient fidelity")
 WHOLE, PER_TENSOR, SHARE = 0.98, 0.9, 0.01
+
+
+def graphs_alive() -> int:
+    """Tensors with a ``grad_fn`` that the garbage collector finds, after a collection: a step's
+    graph still alive after the step (a cycle held in C++, which no collection breaks, leaks one)."""
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def graphs_before():
+    """The graphs alive before this file's first test (:func:`test_no_step_leaves_a_graph_behind`)."""
+    return graphs_alive()
 
 
 def _cases():
@@ -132,3 +146,12 @@ def test_moe_experts_rows_at_four_bits(precision):
     layer's expert inputs at 4 bits (``late_layers=0``; the default holds both layers of this tiny
     model at 8 bits), a left-padded single row leaves that layer's experts' down_proj below 0.9."""
     _check_step("qwen2_moe", precision, "left", "sdpa", 37, 1, True, config=hd.DivisionConfig(late_layers=0))
+
+
+def test_no_step_leaves_a_graph_behind(graphs_before):
+    """Run after the cases above (the file's last test): none of their steps left a graph alive.
+    T5's attention recorded a graph whose saved-tensor hook kept each saved tensor as it was, and
+    a saved output's ``grad_fn`` is the node that saves it: every step leaked each layer's
+    attention graph, masks and softmax included."""
+    assert graphs_alive() == graphs_before
+
