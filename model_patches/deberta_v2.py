@@ -70,13 +70,18 @@ def _position_inputs(self, query, key, relative_pos, rel_embeddings):
         raise ValueError(f"Relative position ids must be of dim 2 or 3 or 4. {relative_pos.dim()}")
     relative_pos = relative_pos.to(device=query.device, dtype=torch.long)
     rel = rel_embeddings[0 : self.pos_ebd_size * 2, :].unsqueeze(0)
-    pos = []
-    if "c2p" in self.pos_att_type:
-        proj = self.key_proj if self.share_att_key else self.pos_key_proj
-        pos.append(self.transpose_for_scores(proj(rel), self.num_attention_heads))
-    if "p2c" in self.pos_att_type:
-        proj = self.query_proj if self.share_att_key else self.pos_query_proj
-        pos.append(self.transpose_for_scores(proj(rel), self.num_attention_heads))
+    # the projections the original makes, in its order: with shared keys both, the query's first,
+    # whichever terms are used (an adapter's dropout inside a projection draws: PEFT's LoRA)
+    if self.share_att_key:
+        made = {"p2c": self.query_proj(rel), "c2p": self.key_proj(rel)}
+    else:
+        made = {}
+        if "c2p" in self.pos_att_type:
+            made["c2p"] = self.pos_key_proj(rel)
+        if "p2c" in self.pos_att_type:
+            made["p2c"] = self.pos_query_proj(rel)
+    pos = [self.transpose_for_scores(made[term], self.num_attention_heads) for term in ("c2p", "p2c")
+           if term in self.pos_att_type]
     return relative_pos, tuple(pos)
 
 
