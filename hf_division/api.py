@@ -53,7 +53,8 @@ def apply_division(model: nn.Module, config: DivisionConfig | None = None) -> nn
         remove_division(base)
     found = family(model_type)
     state = PatchState(config, names={id(m): name for name, m in base.named_modules()},
-                       recorded_checkpoint=found is not None and found.checkpoint_forward is CheckpointForward.AS_CHECKPOINTED)
+                       recorded_checkpoint=found is not None and found.checkpoint_forward is CheckpointForward.AS_CHECKPOINTED,
+                       checkpoint_exact=frozenset(found.checkpoint_exact if found is not None else ()))
     unknown = [n for n in config.override_names() if n not in state.names.values()]
     if unknown:
         raise ValueError(

@@ -57,13 +57,17 @@ class Family:
     """How to patch one architecture: ``apply(model, state)``, its default config fields,
     ``by_shape(model_config)``: the fields whose default differs again for a model of that shape,
     ``training_cache``: the KV cache its models build in a training forward, and
-    ``checkpoint_forward``: how a checkpointed layer's first forward runs."""
+    ``checkpoint_forward``: how a checkpointed layer's first forward runs, and ``checkpoint_exact``:
+    the keyword inputs of a checkpointed layer held exact."""
 
     apply: Callable
     defaults: Mapping = field(default_factory=dict)
     by_shape: Callable[[object], Mapping] | None = None
     training_cache: TrainingCache = TrainingCache.NONE
     checkpoint_forward: CheckpointForward = CheckpointForward.BARE
+    #: keyword inputs of a checkpointed layer held as they are, not compressed: attention biases
+    #: that carry the mask's extreme values (T5's position biases), which a group's range would lose
+    checkpoint_exact: tuple[str, ...] = ()
 
 
 _FAMILIES: dict[str, Family] = {}
@@ -95,20 +99,23 @@ def _load(model_type: str | None) -> None:
 
 def register(*model_types: str, defaults: Mapping | None = None, by_shape: Callable[[object], Mapping] | None = None,
              training_cache: TrainingCache = TrainingCache.NONE,
-             checkpoint_forward: CheckpointForward = CheckpointForward.BARE):
+             checkpoint_forward: CheckpointForward = CheckpointForward.BARE, checkpoint_exact: tuple[str, ...] = ()):
     """Decorator: register a patcher ``apply(model, state)`` for ``model_types``; returns it.
     ``defaults``: the config fields whose measured default differs for them; ``by_shape``: given a
     model's ``config``, the fields whose default differs again for that model (e.g. by width);
-    ``training_cache`` and ``checkpoint_forward``: :class:`Family`'s."""
+    ``training_cache``, ``checkpoint_forward`` and ``checkpoint_exact``: :class:`Family`'s."""
     if not model_types:
         raise ValueError("register: name at least one model_type")
     if not isinstance(training_cache, TrainingCache):
         raise TypeError(f"register: training_cache must be a TrainingCache, got {training_cache!r}")
     if not isinstance(checkpoint_forward, CheckpointForward):
         raise TypeError(f"register: checkpoint_forward must be a CheckpointForward, got {checkpoint_forward!r}")
+    if not (isinstance(checkpoint_exact, tuple) and all(isinstance(n, str) for n in checkpoint_exact)):
+        raise TypeError(f"register: checkpoint_exact must be a tuple of keyword names, got {checkpoint_exact!r}")
 
     def decorate(apply: Callable) -> Callable:
-        family = Family(apply, MappingProxyType(dict(defaults or {})), by_shape, training_cache, checkpoint_forward)
+        family = Family(apply, MappingProxyType(dict(defaults or {})), by_shape, training_cache, checkpoint_forward,
+                        checkpoint_exact)
         for model_type in model_types:
             if model_type in _FAMILIES and _FAMILIES[model_type].apply is not apply:
                 raise ValueError(f"hf-division: model_type {model_type!r} is registered twice")

@@ -5,7 +5,9 @@ Attention goes through Transformers' attention interface (eager and sdpa), with 
 as a keyword tensor: ``AttentionFn`` takes it as an extra differentiated input, so the bias
 embedding still gets its gradient. The additive mask built from it needs a gradient too, and sdpa
 picks its kernel by that, so a checkpointed layer's first forward runs under autograd as the
-unpatched one's does (``CheckpointForward.AS_CHECKPOINTED``). The bias is ``(1, heads, T, T)``, computed once per stack and
+unpatched one's does (``CheckpointForward.AS_CHECKPOINTED``). A checkpointed layer holds the biases
+it is passed as they are: they carry the padding mask's ``finfo.min`` (an 8-bit group spanning
+that and the bias loses the bias), and a layer passes them on unchanged, so each is one tensor. The bias is ``(1, heads, T, T)``, computed once per stack and
 shared by its layers, so it is kept as it is (one copy per stack). Cross-attention keys/values are
 the encoder output, kept compressed once and shared by every decoder layer's k and v projections.
 The gated feed-forward differs from Llama's only in names and in a dropout between the product and
@@ -33,6 +35,7 @@ def _patch_gated_ff(state, ff: T5DenseGatedActDense) -> None:
 
 
 apply_division_to_t5 = register("t5", defaults=DECODER_DEFAULTS, training_cache=TrainingCache.ENCODER_DECODER,
-                               checkpoint_forward=CheckpointForward.AS_CHECKPOINTED)(
+                               checkpoint_forward=CheckpointForward.AS_CHECKPOINTED,
+                               checkpoint_exact=("position_bias", "encoder_decoder_position_bias"))(
     with_patches(encoder_patcher(norm_types=(T5LayerNorm,)), (T5DenseGatedActDense, _patch_gated_ff))
 )

@@ -331,13 +331,15 @@ class CheckpointFn(torch.autograd.Function):
     backpropagates. Like reentrant checkpointing, gradients flow to positional tensor inputs."""
 
     @staticmethod
-    def forward(ctx, run: Callable, config: DivisionConfig, recorded: bool, *args):
+    def forward(ctx, run: Callable, config: DivisionConfig, recorded: bool, exact: frozenset, *args):
         ctx.run, ctx.rng = run, RngState(args)
         # only activations (tensors needing a gradient) are compressed: a float additive attention
-        # mask (BERT eager passes it positionally) must stay exact, its -inf/-max entries would be lost
+        # mask (BERT eager passes it positionally) must stay exact, its -inf/-max entries would be
+        # lost, and so must an attention bias that needs a gradient and carries the mask (T5's:
+        # the inputs at the positions ``exact`` names, the family's ``checkpoint_exact``)
         boundary = config.for_checkpoint()
-        ctx.args = [keep(a, "norm", boundary) if isinstance(a, torch.Tensor) and a.is_floating_point()
-                    and a.requires_grad else a for a in args]
+        ctx.args = [keep(a, "norm", boundary) if i not in exact and isinstance(a, torch.Tensor)
+                    and a.is_floating_point() and a.requires_grad else a for i, a in enumerate(args)]
         account_tensors([a for a in ctx.args if isinstance(a, torch.Tensor)] + ctx.rng.tensors(), "norm")
         ctx.amp = autocast_state()
         if not recorded:
@@ -356,9 +358,11 @@ class CheckpointFn(torch.autograd.Function):
     @first_order
     def backward(ctx, *grads):
         args = []
-        for a, need in zip(ctx.args, ctx.needs_input_grad[3:]):
+        for a, need in zip(ctx.args, ctx.needs_input_grad[4:]):
             if isinstance(a, Entry):
                 a = a.take().detach().requires_grad_(need)
+            elif isinstance(a, torch.Tensor) and a.requires_grad:  # held exact: a leaf, as a rebuilt one
+                a = a.detach().requires_grad_(need)
             args.append(a)
         with ctx.rng.restored():
             with torch.enable_grad(), recomputing(), autocast_as(ctx.amp):
@@ -366,7 +370,7 @@ class CheckpointFn(torch.autograd.Function):
         outs = out if isinstance(out, tuple) else (out,)
         pairs = [(o, g) for o, g in zip(outs, grads) if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return (None, None, None, *(a.grad if isinstance(a, torch.Tensor) and a.requires_grad else None for a in args))
+        return (None, None, None, None, *(a.grad if isinstance(a, torch.Tensor) and a.requires_grad else None for a in args))
 
 
 # torch.compile(model): these Functions keep Python state for backward (store entries, weak

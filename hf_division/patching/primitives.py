@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 import warnings
 import weakref
@@ -289,7 +290,8 @@ def patch_checkpointing(state: PatchState, model: nn.Module) -> None:
                 run = functools.partial(_call_split, inner, self, len(args), names,
                                         {k: v for k, v in kwargs.items() if k not in names})
                 recorded = state.recorded_checkpoint and not _reentrant(self)
-                return CheckpointFn.apply(run, config, recorded, *args, *(kwargs[k] for k in names))
+                exact = _exact_positions(inner, len(args), tuple(names), state.checkpoint_exact)
+                return CheckpointFn.apply(run, config, recorded, exact, *args, *(kwargs[k] for k in names))
             return orig(*args, **kwargs)
 
         return forward
@@ -297,6 +299,17 @@ def patch_checkpointing(state: PatchState, model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, GradientCheckpointingLayer):
             wrap_forward(state, module, functools.partial(make, config=config_for(state, module)))
+
+
+@functools.lru_cache(maxsize=256)
+def _exact_positions(forward, n_args: int, names: tuple, exact: frozenset) -> frozenset:
+    """Which of :class:`CheckpointFn`'s inputs (``n_args`` positional, then keyword ``names``) a
+    layer's ``forward`` takes under a name in ``exact`` (the family's ``checkpoint_exact``;
+    T5's blocks take their position biases positionally)."""
+    if not exact:
+        return frozenset()
+    params = list(inspect.signature(forward).parameters)[1:n_args + 1]
+    return frozenset(i for i, name in enumerate(params + list(names)) if name in exact)
 
 
 def _reentrant(layer: nn.Module) -> bool:

@@ -30,6 +30,7 @@ class PatchState:
     modes: dict = field(default_factory=dict)  # a training forward's signature -> whether ForwardMode routed in it
     forwards: int = 0  # training forwards run by the root
     recorded_checkpoint: bool = False  # the family's ``CheckpointForward`` is ``AS_CHECKPOINTED``
+    checkpoint_exact: frozenset = frozenset()  # the family's ``checkpoint_exact``
 
 
 def layer_names(model: nn.Module) -> list[str]:
