@@ -61,23 +61,6 @@ def test_training_forward_bit_identical(model_type, impl, batch):
         assert not any(layer.is_initialized for layer in part.layers)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("model_type", TYPES)
-def test_checkpointed_training_forward_bit_identical(model_type, impl, batch):
-    """With Transformers' activation checkpointing (non-reentrant, its default) the unpatched
-    model's logits to the bit: division runs a checkpointed layer's first forward without
-    autograd unless its family says the forward reads gradient flags
-    (``registry.CheckpointForward``), and a family that reads them and does not say so fails here."""
-    model = tiny_model(model_type, impl).train()
-    if not model.supports_gradient_checkpointing:
-        pytest.skip(f"{type(model).__name__} does not support activation checkpointing")
-    model.activation_checkpointing_enable()
-    ref = _forward(model, batch, 3)
-    hd.apply_division(model)
-    out = _forward(model, batch, 3)
-    assert torch.equal(ref.logits, out.logits)
-
-
 @pytest.mark.parametrize("use_cache", [None, False])
 def test_training_forward_with_packed_position_ids_bit_identical(use_cache):
     """Position ids that restart inside a row (padding-free packing, no attention mask) and the
