@@ -56,17 +56,18 @@ class CheckpointForward(enum.Enum):
 class Family:
     """How to patch one architecture: ``apply(model, state)``, its default config fields,
     ``by_shape(model_config)``: the fields whose default differs again for a model of that shape,
-    ``training_cache``: the KV cache its models build in a training forward, and
+    ``training_cache``: the KV cache its models build in a training forward,
     ``checkpoint_forward``: how a checkpointed layer's first forward runs, and ``checkpoint_exact``:
-    the keyword inputs of a checkpointed layer held exact."""
+    the inputs of a checkpointed layer it holds as they are."""
 
     apply: Callable
     defaults: Mapping = field(default_factory=dict)
     by_shape: Callable[[object], Mapping] | None = None
     training_cache: TrainingCache = TrainingCache.NONE
     checkpoint_forward: CheckpointForward = CheckpointForward.BARE
-    #: keyword inputs of a checkpointed layer held as they are, not compressed: attention biases
-    #: that carry the mask's extreme values (T5's position biases), which a group's range would lose
+    #: the parameter names of a checkpointed layer's inputs held as they are, not compressed, passed
+    #: positionally or by keyword: attention biases that need a gradient and carry the mask's
+    #: extreme values (T5's position biases), which a group's range would lose
     checkpoint_exact: tuple[str, ...] = ()
 
 
@@ -111,7 +112,7 @@ def register(*model_types: str, defaults: Mapping | None = None, by_shape: Calla
     if not isinstance(checkpoint_forward, CheckpointForward):
         raise TypeError(f"register: checkpoint_forward must be a CheckpointForward, got {checkpoint_forward!r}")
     if not (isinstance(checkpoint_exact, tuple) and all(isinstance(n, str) for n in checkpoint_exact)):
-        raise TypeError(f"register: checkpoint_exact must be a tuple of keyword names, got {checkpoint_exact!r}")
+        raise TypeError(f"register: checkpoint_exact must be a tuple of parameter names, got {checkpoint_exact!r}")
 
     def decorate(apply: Callable) -> Callable:
         family = Family(apply, MappingProxyType(dict(defaults or {})), by_shape, training_cache, checkpoint_forward,

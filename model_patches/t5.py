@@ -3,15 +3,18 @@
 
 Attention goes through Transformers' attention interface (eager and sdpa), with the position bias
 as a keyword tensor: ``AttentionFn`` takes it as an extra differentiated input, so the bias
-embedding still gets its gradient. The additive mask built from it needs a gradient too, and sdpa
-picks its kernel by that, so a checkpointed layer's first forward runs under autograd as the
-unpatched one's does (``CheckpointForward.AS_CHECKPOINTED``). A checkpointed layer holds the biases
-it is passed as they are: they carry the padding mask's ``finfo.min`` (an 8-bit group spanning
-that and the bias loses the bias), and a layer passes them on unchanged, so each is one tensor. The bias is ``(1, heads, T, T)``, computed once per stack and
+embedding still gets its gradient. The bias is ``(1, heads, T, T)``, computed once per stack and
 shared by its layers, so it is kept as it is (one copy per stack). Cross-attention keys/values are
 the encoder output, kept compressed once and shared by every decoder layer's k and v projections.
 The gated feed-forward differs from Llama's only in names and in a dropout between the product and
 ``wo``, so it gets its own small wrapper around the shared ``gated_product``.
+
+Checkpointed: the additive mask built from the bias needs a gradient, and sdpa picks its kernel by
+that, so a layer's first forward runs under autograd as the unpatched one's does
+(``CheckpointForward.AS_CHECKPOINTED``); and a layer holds the biases it is passed as they are
+(``checkpoint_exact``): they carry the padding mask's ``finfo.min``, which an 8-bit group spanning
+it and the bias would keep at the bias's cost, and each layer passes them on unchanged, so they
+stay one tensor a stack.
 """
 import torch
 from transformers.models.t5.modeling_t5 import T5DenseGatedActDense, T5LayerNorm

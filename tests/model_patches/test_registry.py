@@ -61,13 +61,13 @@ def test_a_training_cache_is_a_kind_not_a_flag():
 def test_how_a_checkpointed_layer_runs_is_declared():
     """``checkpoint_forward`` takes a :class:`~hf_division.registry.CheckpointForward`; T5
     declares that its checkpointed first forward runs as the model's checkpointing runs it, the
-    other families that it runs bare; ``checkpoint_exact`` takes keyword names (T5's biases)."""
+    other families that it runs bare; ``checkpoint_exact`` takes parameter names (T5's biases)."""
     with pytest.raises(TypeError, match="checkpoint_forward must be a CheckpointForward"):
         registry.register("not-a-model-type", checkpoint_forward=True)
     assert registry.family("not-a-model-type") is None
     assert registry.family("t5").checkpoint_forward is registry.CheckpointForward.AS_CHECKPOINTED
     assert registry.family("llama").checkpoint_forward is registry.CheckpointForward.BARE
-    with pytest.raises(TypeError, match="checkpoint_exact must be a tuple of keyword names"):
+    with pytest.raises(TypeError, match="checkpoint_exact must be a tuple of parameter names"):
         registry.register("not-a-model-type", checkpoint_exact="position_bias")
     assert registry.family("t5").checkpoint_exact == ("position_bias", "encoder_decoder_position_bias")
 
