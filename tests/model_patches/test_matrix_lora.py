@@ -7,12 +7,8 @@ every adapter that gets one unpatched, and the gradient within the bounds below.
 import itertools
 
 import pytest
-import torch
 
-import hf_division as hd
-from hf_division.analysis.fidelity import cosine
-
-from test_matrix import DECODERS, PADDINGS, PRECISIONS, TOKENS, TYPES, _batch, _model, _step
+from test_matrix import DECODERS, PADDINGS, PRECISIONS, TOKENS, TYPES, _batch, _model, compare_step
 
 peft = pytest.importorskip("peft")
 pytestmark = pytest.mark.heavy
@@ -22,7 +18,7 @@ NO_SDPA = {"deberta-v2", "gemma2"}
 #: whole-gradient and per-tensor cosine (tensors with >= 1% of the norm), one noise draw: looser
 #: than the matrix's full fine-tune, since an adapter's gradient is the product of few directions
 #: and a tiny model's is noisier (docs/GUIDE.md, "Gradient fidelity", for real models' figures)
-WHOLE, PER_TENSOR, SHARE = 0.95, 0.8, 0.01
+WHOLE, PER_TENSOR = 0.95, 0.8
 
 
 def _cases():
@@ -64,18 +60,6 @@ def test_lora_step_matches_the_unpatched_model(model_type, precision, padding, i
     if checkpointing and model.supports_gradient_checkpointing:
         model.activation_checkpointing_enable()
         model.enable_input_require_grads()
-    data = _batch(model_type, padding, 37, 3)
-    amp = PRECISIONS[precision]
-    logits, loss, exact = _step(lora, data, amp, False)
-    hd.apply_division(lora)
-    got_logits, got_loss, got = _step(lora, data, amp, False)
-    assert torch.equal(got_logits, logits), "training forward changed"
-    assert torch.equal(got_loss, loss), f"training loss changed by {(got_loss - loss).item():.3g}"
-    assert sorted(got) == sorted(exact), f"gradients missing: {sorted(set(exact) - set(got))}"
+    exact = compare_step(lora, _batch(model_type, padding, 37, 3), PRECISIONS[precision], False,
+                         bounds=(WHOLE, PER_TENSOR))
     assert all("lora_" in n for n in exact)
-    flat = torch.cat([exact[n] for n in exact])
-    whole = cosine(flat, torch.cat([got[n] for n in exact]))
-    norm = flat.norm()
-    tensors = {n: cosine(exact[n], got[n]) for n in exact if exact[n].norm() >= SHARE * norm}
-    worst = min(tensors.items(), key=lambda item: item[1])
-    assert whole >= WHOLE and worst[1] >= PER_TENSOR, (whole, worst)
