@@ -236,9 +236,8 @@ def test_interrupted_step_leaves_nothing_behind(where, error, batch):
     # freed by reference counting alone: a cycle through an entry would hold its compressed copy
     # until the collector happened to run, so the collector stays off while this checks
     gc.collect()
-    # entries an earlier test of this process left alive are not this step's to answer for (T5's
-    # attention leaked one a step until d5486e4; test_matrix.py's last test now counts the graphs
-    # its steps leave)
+    # entries an earlier test of this process left alive are not this step's to answer for
+    # (test_matrix.py's last test counts the graphs its steps leave)
     before = live_count()
     gc.disable()
     try:

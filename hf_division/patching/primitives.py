@@ -290,7 +290,8 @@ def patch_checkpointing(state: PatchState, model: nn.Module) -> None:
                 run = functools.partial(_call_split, inner, self, len(args), names,
                                         {k: v for k, v in kwargs.items() if k not in names})
                 recorded = state.recorded_checkpoint and not _reentrant(self)
-                exact = _exact_positions(inner, len(args), tuple(names), state.checkpoint_exact)
+                exact = (_exact_positions(inner, len(args), tuple(names), state.checkpoint_exact)
+                         if state.checkpoint_exact else frozenset())
                 return CheckpointFn.apply(run, config, recorded, exact, *args, *(kwargs[k] for k in names))
             return orig(*args, **kwargs)
 
@@ -306,8 +307,6 @@ def _exact_positions(forward, n_args: int, names: tuple, exact: frozenset) -> fr
     """Which of :class:`CheckpointFn`'s inputs (``n_args`` positional, then keyword ``names``) a
     layer's ``forward`` takes under a name in ``exact`` (the family's ``checkpoint_exact``;
     T5's blocks take their position biases positionally)."""
-    if not exact:
-        return frozenset()
     params = list(inspect.signature(forward).parameters)[1:n_args + 1]
     return frozenset(i for i, name in enumerate(params + list(names)) if name in exact)
 
