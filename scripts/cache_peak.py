@@ -21,16 +21,19 @@ nothing). Also the bytes the returned cache holds (both halves of Whisper's).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
-import torch
-from transformers import EncoderDecoderCache
+from hf_division.bench.malloc_env import reexec_under_malloc_env
 
-from hf_division.api import apply_division
-from hf_division.bench.peak import MALLOC_ENV, forked, step_peak
-from hf_division.bench.suites import cuda as cuda_suite
-from hf_division.patching.training_cache import output_cache
+if __name__ == "__main__":
+    reexec_under_malloc_env()  # before torch's import, which the re-executed process would pay again
+
+import torch  # noqa: E402
+from transformers import EncoderDecoderCache  # noqa: E402
+
+from hf_division.api import apply_division  # noqa: E402
+from hf_division.bench.peak import forked, step_peak  # noqa: E402
+from hf_division.bench.suites import cuda as cuda_suite  # noqa: E402
+from hf_division.patching.training_cache import output_cache  # noqa: E402
 
 #: (arm, use_cache passed: None for not passed)
 ARMS = [("none", None), ("division", True), ("division", None)]
@@ -110,6 +113,20 @@ def held_bytes(cache) -> int:
                for t in (layer.keys, layer.values))
 
 
+def preload(args) -> None:
+    """Import in the parent what every forked arm would import on its own: the model's modeling
+    module and, with ``--lora``, PEFT's layer dispatch (which imports bitsandbytes where it is
+    installed, seconds a process), by wrapping one small Linear."""
+    import transformers
+
+    getattr(transformers, "WhisperForConditionalGeneration" if args.shape in WHISPER else
+            "T5ForConditionalGeneration" if args.shape in T5 else "LlamaForCausalLM")
+    if args.lora:
+        import peft
+
+        peft.get_peft_model(torch.nn.Sequential(torch.nn.Linear(2, 2)), peft.LoraConfig(r=1, target_modules=["0"]))
+
+
 def job(item: tuple) -> dict:
     (arm, use_cache), args = item
     torch.set_num_threads(2)
@@ -146,14 +163,13 @@ def main(argv=None) -> None:
     seq2seq = args.shape in SEQ2SEQ
     default = "2x64" if args.shape in WHISPER else "8x64" if seq2seq else "8x256"
     args.size = tuple(int(v) for v in (args.size or default).split("x"))
-    if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):  # glibc reads these at start-up only
-        os.execve(sys.executable, [sys.executable, *sys.argv], dict(os.environ, **MALLOC_ENV))
     shape = SEQ2SEQ[args.shape] if seq2seq else cuda_suite.SHAPES[args.shape]
     layers = args.layers or shape.get("decoder_layers") or shape.get("num_decoder_layers") or shape["num_hidden_layers"]
     head = "conditional-generation" if seq2seq else args.head
     print(f"{args.shape} shape, {layers} layers, {head} head{' with LoRA' if args.lora else ''}, "
           f"{args.size[0]} x {args.size[1]} {'label ' if seq2seq else ''}tokens, float32")
     print(f"{'arm':<10} {'use_cache passed':>16} {'cache MiB':>10} {'step peak MiB':>14}")
+    preload(args)
     for r in forked(job, [(arm, args) for arm in ARMS]):
         passed = "not passed" if r["use_cache"] is None else str(r["use_cache"])
         print(f"{r['arm']:<10} {passed:>16} {r['cache_mib']:>10.2f} {r['peak_mib']:>14.1f}")

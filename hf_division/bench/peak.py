@@ -20,11 +20,10 @@ import subprocess
 import sys
 from typing import Callable
 import torch
+from hf_division.bench.malloc_env import MALLOC_ENV
 from hf_division.integrations.step_log import high_water, malloc_trim, reset_high_water, rss
 
-
-#: glibc: allocations over 64 KiB mmap-served and returned to the system when freed
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+__all__ = ["MALLOC_ENV", "forked", "process_peak_bytes", "run_clean", "step_peak"]
 
 
 def step_peak(step: Callable[[], object], device: str = "cpu") -> tuple[int, str]:
