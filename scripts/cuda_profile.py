@@ -17,7 +17,6 @@ well below 1: the GPU waits for the host's launches), its aten calls, and its 15
 and writes ``$OUT/profile.json``; the profiler's tables go to ``$OUT/profile_<arm>.txt``. What it is for:
 docs/GUIDE.md, "On a GPU" (``scripts/gpu_session.sh`` runs it after the table).
 """
-import json
 import os
 import statistics
 
@@ -25,6 +24,7 @@ import torch
 from torch.autograd import DeviceType
 
 from hf_division.analysis.timing import timed
+from hf_division.bench.suites.common import write_json
 from hf_division.bench.suites.cuda import build, parse_size, set_arm, step_fn
 from hf_division.bench.textdata import random_tokens
 from hf_division.kernels import configured, switches
@@ -85,8 +85,7 @@ def main() -> dict:
               f"(busy {prof['gpu_busy']:.2f}), {prof['aten_calls']} aten calls", flush=True)
         for row in prof["top"][:8]:
             print(f"    {row['ms']:8.2f} ms  x{row['count']:<5} {row['kernel']}", flush=True)
-    with open(os.path.join(OUT, "profile.json"), "w") as f:
-        json.dump(res, f, indent=1)
+    write_json(os.path.join(OUT, "profile.json"), res)
     return res
 
 

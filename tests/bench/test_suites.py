@@ -126,7 +126,9 @@ def test_cuda_suite_smoke_on_cpu(tmp_path):
 
     out = tmp_path / "r.json"
     cuda.main(["--device", "cpu", "--shapes", "tiny", "--sizes", "2x48", "--rounds", "1", "--out", str(out)])
-    arms = json.loads(out.read_text())["rows"][0]["arms"]
+    written = json.loads(out.read_text())
+    assert set(written["provenance"]) == {"commit", "date", "command"}  # the GPU run's file says where it came from
+    arms = written["rows"][0]["arms"]
     assert set(arms) == set(cuda.ARMS) - {"offload"}  # pinned host memory needs a device to offload from
     assert arms["division"]["held_mib"] < arms["none"]["held_mib"]
     assert arms["checkpointing"]["cosine"] > 0.9999 and 0.95 < arms["division"]["cosine"] < 1
@@ -188,7 +190,7 @@ def test_gpu_session_scripts_run_on_cpu(tmp_path):
                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads((tmp_path / "profile.json").read_text())
-    assert res["shape"] == "tiny" and list(res["arms"]) == ["none", "division", "division-triton", "division-unplanned",
+    assert "provenance" in res and res["shape"] == "tiny" and list(res["arms"]) == ["none", "division", "division-triton", "division-unplanned",
                                                             "division-unfused"]
     assert res["arms"]["division-unfused"]["switches"] == {"triton_launch": True, "planned_launch": True,
                                                            "triton_rms_norm": False, "triton_gated": False,
@@ -328,6 +330,7 @@ def test_launches_suite_counts_the_gpu_path(tmp_path):
     launches.main(["--shape", "tiny", "--layers", "1", "--size", "2x64", "--host-tokens", "512", "--host-rounds", "2",
                    "--out", str(out)])
     res = json.loads(out.read_text())
+    assert "provenance" in res
     arms = res["arms"]
     total = {arm: r["torch"] + r["triton"] for arm, r in arms.items()}
     assert arms["division"]["triton"] > 0 and arms["division-torch"]["triton"] == 0
@@ -360,6 +363,7 @@ def test_dispatch_suite_times_tritons_launch_path(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     res = json.loads(out.read_text())
     steps, tensor = res["steps"], res["tensor"]
+    assert "dispatch" in res["provenance"]["command"]
     assert all(0 < steps[arm]["forward_median"] < steps[arm]["median"] and steps[arm]["min"] <= steps[arm]["median"]
                for arm in ("none", "division", "division-unplanned", "division-triton", "division-unfused",
                            "division-mode", "division-kept", "checkpointing", "division+checkpointing"))
@@ -395,3 +399,19 @@ def test_suites_run_their_children_through_an_existing_module(monkeypatch, tmp_p
     from hf_division.bench.suites import memory
 
     assert '"-m", "hf_division.bench", "memory"' in open(memory.__file__).read()
+
+
+def test_every_suite_writes_its_file_with_its_provenance():
+    """docs/RESULTS.md: each result file names its commit, date and command. A suite (or a script
+    the GPU run calls) that writes JSON itself, not through ``common.write_json``, leaves them out."""
+    import ast
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    suites = os.path.join(root, "hf_division", "bench", "suites")
+    paths = [os.path.join(suites, n) for n in os.listdir(suites) if n.endswith(".py") and n != "common.py"]
+    paths += [os.path.join(root, "scripts", "cuda_profile.py")]
+    writers = {os.path.relpath(p, root) for p in paths
+               for node in ast.walk(ast.parse(open(p).read()))
+               if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "dump"
+               and isinstance(node.func.value, ast.Name) and node.func.value.id == "json"}
+    assert not writers, writers

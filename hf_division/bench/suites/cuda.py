@@ -46,7 +46,7 @@ from hf_division.analysis.measure import account
 from hf_division.bench.peak import step_peak
 from hf_division.bench.textdata import random_tokens
 from hf_division.analysis.timing import interleaved_medians, timed
-from hf_division.bench.suites.common import AUTOCAST, suite_parser
+from hf_division.bench.suites.common import AUTOCAST, suite_parser, write_json
 
 ARMS = ("none", "checkpointing", "offload", "division", "division+checkpointing")
 
@@ -288,8 +288,7 @@ def run(args, argv) -> list[dict]:
         rows.append({"shape": shape, "batch": size[0], "seq": size[1], "arms": res})
         print(report(shape, size, res), flush=True)
         if args.out:
-            with open(args.out, "w") as f:
-                json.dump({**meta, "rows": rows}, f, indent=1)
+            write_json(args.out, {**meta, "rows": rows})
         del model, batch
         if args.device == "cuda":
             torch.cuda.empty_cache()

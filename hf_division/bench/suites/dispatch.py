@@ -29,7 +29,6 @@ through the launcher's key and through Triton's dispatch, and per launch.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -41,7 +40,7 @@ from hf_division.analysis.simulated_cuda import simulated_cuda
 from hf_division.analysis.timing import interleaved_medians
 from hf_division.api import apply_division
 from hf_division.bench.suites import cuda as cuda_suite
-from hf_division.bench.suites.common import set_threads, suite_parser
+from hf_division.bench.suites.common import set_threads, suite_parser, write_json
 from hf_division.bench.suites.launches import HOST_MIN_NUMEL, HOST_WIDTH, interleaved, saved_tensor, stand_in_arguments
 from hf_division.bench.textdata import random_tokens
 from hf_division.compress.pipeline import compress, decompress
@@ -167,7 +166,5 @@ def main(argv=None):
            "tensor": per_tensor(hidden, args.host_tokens, 2000),
            "steps": steps(args.shape, args.layers, args.size, args.rounds, amp, args.components)}
     print(report(res, args.size, args.rounds), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(args.out, res)
     return res

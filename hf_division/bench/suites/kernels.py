@@ -21,7 +21,6 @@ kernels compile; nothing runs on a GPU).
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -31,7 +30,7 @@ from hf_division.analysis import gpu_resources
 from hf_division.analysis.launches import gpu_path, train_step
 from hf_division.analysis.simulated_cuda import simulated_cuda
 from hf_division.bench.suites import cuda as cuda_suite
-from hf_division.bench.suites.common import command_line, suite_parser
+from hf_division.bench.suites.common import command_line, suite_parser, write_json
 from hf_division.bench.textdata import random_tokens
 from hf_division.config import DivisionConfig
 from hf_division.kernels import triton_codec
@@ -113,7 +112,5 @@ def main(argv=None):
         usage = gpu_resources.report(args.arch)
         res.update(variants={v: u.row() for v, u in usage.items()})
         print(report(res), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+    write_json(args.out, res)
     return res

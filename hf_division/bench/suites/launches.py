@@ -21,7 +21,6 @@ unpatched and with division, the launches counted but not run (:func:`host_steps
 from __future__ import annotations
 
 import gc
-import json
 import os
 import sys
 import time
@@ -32,7 +31,7 @@ from hf_division.analysis.launches import gpu_path, step_counts, train_step
 from hf_division.api import apply_division
 from hf_division.config import DivisionConfig
 from hf_division.bench.suites import cuda as cuda_suite
-from hf_division.bench.suites.common import set_threads, suite_parser
+from hf_division.bench.suites.common import set_threads, suite_parser, write_json
 from hf_division.bench.textdata import random_tokens
 from hf_division.compress.pipeline import compress, decompress
 from hf_division.kernels import configured, triton_codec
@@ -238,9 +237,6 @@ def main(argv=None):
           f"rebuild {rebuild_us:.0f} us", flush=True)
     steps = host_steps(args.shape, args.layers, args.size, args.host_rounds, amp)
     print(host_report(steps, args.size, args.host_rounds), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"argv": argv, "shape": args.shape, "layers": args.layers, "size": args.size, "arms": res,
-                       "host_us": {"compress": compress_us, "rebuild": rebuild_us}, "host_step_ms": steps}, f,
-                      indent=1)
+    write_json(args.out, {"argv": argv, "shape": args.shape, "layers": args.layers, "size": args.size, "arms": res,
+                          "host_us": {"compress": compress_us, "rebuild": rebuild_us}, "host_step_ms": steps})
     return res
