@@ -66,13 +66,16 @@ def test_t5_heads(head, impl):
 
 @pytest.mark.parametrize("checkpointing", [None, {"use_reentrant": False}, {"use_reentrant": True}],
                          ids=["plain", "checkpointing", "reentrant"])
-def test_t5_without_dropout_bit_identical(checkpointing):
+@pytest.mark.parametrize("model_type", ["t5", "mt5"])
+def test_t5_without_dropout_bit_identical(checkpointing, model_type):
     """T5 with sdpa and ``dropout_rate=0``: its additive mask is built from the position bias,
     which needs a gradient, so sdpa runs its math kernel; division's attention calls it so
     (before, it ran flash there, and the logits differed by about 1e-6). Checkpointed, the first
     forward runs as the model's checkpointing function runs it: non-reentrant (Transformers'
-    default) under autograd, so the mask needs a gradient there too; reentrant without it."""
-    model = _model(tf.T5ForConditionalGeneration, "t5", "sdpa", dropout_rate=0.0)
+    default) under autograd, so the mask needs a gradient there too; reentrant without it. mT5,
+    T5's modeling file under other names, registers with T5's family."""
+    cls = tf.T5ForConditionalGeneration if model_type == "t5" else tf.MT5ForConditionalGeneration
+    model = _model(cls, model_type, "sdpa", dropout_rate=0.0)
     if checkpointing is not None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
     ids, mask = _t5_tokens(seq=40)
@@ -197,8 +200,12 @@ def test_t5_checkpointed_position_biases_held_exact():
     a group spanning the mask and the bias lost the bias, and LoRA's gradient under checkpointing
     on a padded batch fell to a whole cosine of 0.84 here. Held as they are (the
     family's ``checkpoint_exact``): one tensor a stack, as the unpatched checkpointing holds it
-    (each block passes it on), where the compressed copies were one a block."""
+    (each block passes it on), where the compressed copies were one a block. The weights are seed
+    0's, a draw where the lost bias shows; on other draws of this tiny padded case the rounding
+    of the 4-bit norm inputs outside the checkpointed blocks weighs more, and holding the biases
+    exact or not reads alike."""
     peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
     model = _model(tf.T5ForSequenceClassification, "t5", "sdpa")
     lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear",
                                                       init_lora_weights=False))
