@@ -49,9 +49,16 @@ def _lora(model_type, impl, dropout):
     return _lora(model_type, impl, dropout=0.0)
 
 
+#: known exceptions (docs/GUIDE.md, "Gradient fidelity"): T5's family (t5, mt5) with LoRA under
+#: checkpointing on these tiny padded batches, below the bounds at the default bits
+KNOWN = {"mt5-bf16-right-eager-checkpointing": "known exception: T5's family, LoRA under checkpointing "
+                                                "(docs/GUIDE.md, 'Gradient fidelity')"}
+
+
 def _case(model_type, precision, padding, impl, ckpt):
     name = f"{model_type}-{precision}-{padding}-{impl}" + ("-checkpointing" if ckpt else "")
-    return pytest.param(model_type, precision, padding, impl, ckpt, id=name)
+    marks = [pytest.mark.xfail(strict=True, reason=KNOWN[name])] if name in KNOWN else []
+    return pytest.param(model_type, precision, padding, impl, ckpt, id=name, marks=marks)
 
 
 @pytest.mark.parametrize("model_type,precision,padding,impl,checkpointing", list(_cases()))
@@ -63,3 +70,16 @@ def test_lora_step_matches_the_unpatched_model(model_type, precision, padding, i
     exact = compare_step(lora, _batch(model_type, padding, 37, 3), PRECISIONS[precision], False,
                          bounds=(WHOLE, PER_TENSOR))
     assert all("lora_" in n for n in exact)
+
+
+@pytest.mark.parametrize("model_type", ["t5", "mt5"])
+def test_t5_family_lora_under_checkpointing_with_8_bit_norm_inputs(model_type):
+    """The known exception's case (:data:`KNOWN`) with the norm inputs at 8 bits (``norm_bits=8``),
+    what a T5 or mT5 LoRA run under checkpointing can set: within the bounds."""
+    import hf_division as hd
+
+    model, lora = _lora(model_type, "eager", dropout=0.1)
+    model.activation_checkpointing_enable()
+    model.enable_input_require_grads()
+    compare_step(lora, _batch(model_type, "right", 37, 3), PRECISIONS["bf16"], False, hd.DivisionConfig(norm_bits=8),
+                 bounds=(WHOLE, PER_TENSOR))
