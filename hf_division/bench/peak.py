@@ -23,8 +23,6 @@ import torch
 from hf_division.bench.malloc_env import MALLOC_ENV
 from hf_division.integrations.step_log import high_water, malloc_trim, reset_high_water, rss
 
-__all__ = ["MALLOC_ENV", "forked", "process_peak_bytes", "run_clean", "step_peak"]
-
 
 def step_peak(step: Callable[[], object], device: str = "cpu") -> tuple[int, str]:
     """``(bytes, how)``: peak memory while ``step()`` runs, above the memory just before it."""

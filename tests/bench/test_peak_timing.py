@@ -11,7 +11,8 @@ import torch
 from hf_division.kernels import compiled as fused, native, switches
 from hf_division.autograd import rms_norm
 from hf_division.bench import suites
-from hf_division.bench.peak import MALLOC_ENV, forked, run_clean, step_peak
+from hf_division.bench.malloc_env import MALLOC_ENV
+from hf_division.bench.peak import forked, run_clean, step_peak
 from hf_division.analysis.timing import interleaved_medians, quartile_ratios, round_ratios, timed
 
 

@@ -190,7 +190,8 @@ def test_gpu_session_scripts_run_on_cpu(tmp_path):
                          capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads((tmp_path / "profile.json").read_text())
-    assert "provenance" in res and res["shape"] == "tiny" and list(res["arms"]) == ["none", "division", "division-triton", "division-unplanned",
+    assert "provenance" in res
+    assert res["shape"] == "tiny" and list(res["arms"]) == ["none", "division", "division-triton", "division-unplanned",
                                                             "division-unfused"]
     assert res["arms"]["division-unfused"]["switches"] == {"triton_launch": True, "planned_launch": True,
                                                            "triton_rms_norm": False, "triton_gated": False,

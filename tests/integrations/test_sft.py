@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
 from hf_division.api import division_config_of
-from hf_division.bench.peak import MALLOC_ENV
+from hf_division.bench.malloc_env import MALLOC_ENV
 from hf_division.integrations.launcher import STEP_LOG_ENV
 from hf_division.integrations.trl import SFTConfig, SFTTrainer
 from hf_division.bench.suites.sft import sft_script

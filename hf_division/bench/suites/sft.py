@@ -24,7 +24,7 @@ import tempfile
 
 import trl
 
-from hf_division.bench.peak import MALLOC_ENV
+from hf_division.bench.malloc_env import MALLOC_ENV
 from hf_division.integrations.launcher import STEP_LOG_ENV
 from hf_division.bench.textdata import sft_texts
 from hf_division.bench.zoo import save_smollm2
