@@ -336,9 +336,12 @@ class CheckpointFn(torch.autograd.Function):
         # only activations (tensors needing a gradient) are compressed: a float additive attention
         # mask (BERT eager passes it positionally) must stay exact, its -inf/-max entries would be
         # lost, and so must an attention bias that needs a gradient and carries the mask (T5's:
-        # the inputs at the positions ``exact`` names, the family's ``checkpoint_exact``)
+        # the inputs at the positions ``exact`` names, the family's ``checkpoint_exact``). An input
+        # already held at fewer bits (derived from a norm's input outside the layers: BERT's first
+        # layer, T5's encoder output) gets its own copy: backward recomputes the layer from it
+        # (docs/DESIGN.md, "One copy per tensor")
         boundary = config.for_checkpoint()
-        ctx.args = [keep(a, "norm", boundary) if i not in exact and isinstance(a, torch.Tensor)
+        ctx.args = [keep(a, "norm", boundary, precise=True) if i not in exact and isinstance(a, torch.Tensor)
                     and a.is_floating_point() and a.requires_grad else a for i, a in enumerate(args)]
         account_tensors([a for a in ctx.args if isinstance(a, torch.Tensor)] + ctx.rng.tensors(), "norm")
         ctx.amp = autocast_state()

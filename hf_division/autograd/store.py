@@ -31,6 +31,8 @@ from hf_division.quant.packing import unpack_mask
 #: outlier search, the row scales and the encode) and rebuilding it in backward (docs/GUIDE.md,
 #: "Profiling a step")
 COMPRESS_LABEL, REBUILD_LABEL = "hf_division::compress", "hf_division::rebuild"
+#: :meth:`Entry.bits` of a tensor held exact: more than any compressed width
+EXACT = 64
 
 
 def _traced(label: str):
@@ -131,6 +133,13 @@ class Entry:
     def add_user(self) -> None:
         self.uses += 1
         self.users += 1
+
+    def bits(self) -> int:
+        """The fewest bits per element anything rebuilding it is held at: its own compressed copy's,
+        or a recipe's parents' fewest; :data:`EXACT` where all of it is exact."""
+        if self.packed is not None:
+            return self.packed.bits or EXACT
+        return min(map(Entry.bits, self.parents), default=EXACT)
 
     def tensors(self) -> list[torch.Tensor]:
         p = self.packed
@@ -248,14 +257,13 @@ def register(t: torch.Tensor, entry: Entry) -> None:
 
 
 @bookkeeping
-def keep(t: torch.Tensor, kind: str, config: DivisionConfig, exact_sign: bool = False) -> Entry:
-    """The entry holding ``t`` for one more consumer: reused if ``t`` is already held.
-
-    ``exact_sign``: also keep ``t > 0`` as bits, so that the rebuilt tensor has the original's
-    sign everywhere (ReLU-like activations: their gradient is the sign).
-    """
+def keep(t: torch.Tensor, kind: str, config: DivisionConfig, exact_sign: bool = False, precise: bool = False) -> Entry:
+    """The entry holding ``t`` for one more consumer: reused if ``t`` is already held (``precise``:
+    only if held at no fewer bits than ``config`` gives ``kind``, else a copy of its own, which later
+    consumers share). ``exact_sign``: also keep ``t > 0`` as bits, so that the rebuilt tensor has
+    the original's sign everywhere (ReLU-like activations: their gradient is the sign)."""
     entry = lookup(t)
-    if entry is None:
+    if entry is None or precise and entry.bits() < (config.bits(kind) or EXACT):
         with _traced(COMPRESS_LABEL):
             entry = _keep_new(t, kind, config, exact_sign)
     entry.add_user()

@@ -109,3 +109,29 @@ def test_checkpointed_layer_inputs_held_precise_enough():
         hd.remove_division(model)
     assert cos[8] >= alone - 0.002, (cos, alone)
     assert cos[4] < alone - 0.005, (cos, alone)  # what the test guards against
+
+
+@pytest.mark.parametrize("model_type", ["bert", "t5", "llama"])
+def test_every_checkpointed_input_held_at_checkpoint_bits(model_type, monkeypatch):
+    """What each checkpointed layer keeps of its inputs (a compressed copy, or the entry of a copy
+    already held) is held at ``checkpoint_bits`` or exact. BERT's first layer takes the embeddings'
+    LayerNorm output and T5's decoder layers the encoder's final norm output, each derived from that
+    norm's input at the norm kind's 4 bits: the layers took that copy, and backward recomputed them
+    from it (tests/model_patches/test_matrix_lora.py, the T5 family's test)."""
+    from hf_division.autograd import ops, store
+
+    held = []
+
+    def spy(t, kind, config, exact_sign=False, precise=False):
+        entry = store.keep(t, kind, config, exact_sign, precise)
+        if config.bits(kind) == 8:  # a checkpoint's keep (DivisionConfig.for_checkpoint)
+            held.append((tuple(t.shape), entry.bits()))
+        return entry
+
+    monkeypatch.setattr(ops, "keep", spy)
+    model = tiny_model(model_type, "eager").train()
+    model.activation_checkpointing_enable()
+    hd.apply_division(model, hd.DivisionConfig(min_numel=0))
+    model(**tiny_batch(batch=2, seq=64, model_type=model_type)).loss.backward()
+    layers = {"bert": 2, "t5": 4, "llama": 2}[model_type]  # layer inputs needing a gradient
+    assert len(held) >= layers and all(bits in (store.EXACT, 8) for _, bits in held), held

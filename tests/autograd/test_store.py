@@ -75,3 +75,30 @@ def test_a_parameter_fed_to_a_layer_is_held_by_reference():
     assert first.total == second.total and first.by_kind == second.by_kind
     rel = model.deberta.encoder.rel_embeddings.weight
     assert [t.data_ptr() for t in store.lookup(rel).tensors()] == [rel.data_ptr()]
+
+
+def test_a_precise_consumer_reuses_a_held_tensor_only_where_held_as_precisely():
+    """A tensor derived from a held one (a norm's output from its compressed input) is reused by
+    any consumer, except a ``precise`` one (a checkpointed layer's input, at ``checkpoint_bits``)
+    asking for more bits than the copy behind it holds, or for the tensor exact: it gets a copy of
+    its own, which later consumers share. Reused, T5's decoder layers under checkpointing
+    recomputed their cross-attention from the encoder output rebuilt from its final norm's 4-bit
+    input (tests/model_patches/test_matrix_lora.py, the T5 family's test)."""
+    x = torch.randn(2, 64, 32)
+    at = {bits: DivisionConfig(min_numel=0, norm_bits=bits) for bits in (0, 4, 8)}
+    source = store.keep(x, "norm", at[4])
+    y = x * 2
+    store.derive(y, (source,), lambda v: v * 2)
+    derived = store.lookup(y)
+    assert source.bits() == derived.bits() == 4
+    assert store.keep(y, "norm", at[8]) is derived  # not precise: shared as it is held
+    assert store.keep(y, "norm", at[4], precise=True) is derived  # as precise as asked: shared
+    own = store.keep(y, "norm", at[8], precise=True)
+    assert own is not derived and own.packed.bits == own.bits() == 8
+    assert store.lookup(y) is own and store.keep(y, "norm", at[4]) is own  # later consumers share it
+    z = x + 1
+    store.derive(z, (source,), lambda v: v + 1)
+    exact = store.keep(z, "norm", at[0], precise=True)
+    assert exact.packed.bits == 0 and exact.bits() == store.EXACT and torch.equal(exact.get(), z)
+    assert store.keep(z, "norm", at[8], precise=True) is exact  # exact serves every consumer
+    assert store.keep(x + 2, "norm", DivisionConfig(min_numel=10**9)).bits() == store.EXACT  # too small: exact

@@ -5,11 +5,8 @@ activation checkpointing per family, spread so that each is met. Each case runs 
 division and the same step unpatched: the training forward and loss to the bit, a gradient for
 every adapter that gets one unpatched, and the gradient within the bounds below."""
 import itertools
-import json
 
 import pytest
-
-import hf_division as hd
 
 from test_matrix import DECODERS, PADDINGS, PRECISIONS, TOKENS, TYPES, _batch, _model, compare_step
 
@@ -52,10 +49,10 @@ def _lora(model_type, impl, dropout):
     return _lora(model_type, impl, dropout=0.0)
 
 
-#: known exceptions (docs/GUIDE.md, "Gradient fidelity"): T5's family (t5, mt5) with LoRA under
-#: checkpointing on these tiny padded batches, below the bounds at the default bits
-KNOWN = {"mt5-bf16-right-eager-checkpointing": "known exception: T5's family, LoRA under checkpointing "
-                                                "(docs/GUIDE.md, 'Gradient fidelity')"}
+#: known exceptions (docs/GUIDE.md, "Gradient fidelity"): case id -> reason, each a strict expected
+#: failure; none now (T5's family under checkpointing was one until its fix:
+#: test_t5_family_lora_under_checkpointing)
+KNOWN: dict = {}
 
 
 def _case(model_type, precision, padding, impl, ckpt):
@@ -81,17 +78,15 @@ def test_lora_step_matches_the_unpatched_model(model_type, precision, padding, i
     assert all("lora_" in n for n in exact)
 
 
-@pytest.mark.parametrize("at_8_bits", ["final norms", "every norm"])
 @pytest.mark.parametrize("model_type", ["t5", "mt5"])
-def test_t5_family_lora_under_checkpointing_with_8_bit_norm_inputs(model_type, at_8_bits):
-    """The known exception's case (:data:`KNOWN`) with the stacks' final norms' inputs at 8 bits
-    (``module_bits``; the only 4-bit tensors a checkpointed T5 holds), or every norm input
-    (``norm_bits=8``), what a T5 or mT5 LoRA run under checkpointing can set: within the bounds."""
+def test_t5_family_lora_under_checkpointing(model_type):
+    """mT5's case of the sweep (bf16, right padding, eager, checkpointing) and T5's in it, held to
+    tighter bounds than the sweep's. The decoder layers' checkpoints took the encoder output, derived
+    from its final norm's input held at the norm kind's 4 bits, as that copy: backward recomputed
+    every cross-attention from it, and the cosines read 0.95 (T5) and 0.87 (mT5; 0.65 for its worst
+    adapter). A checkpointed layer's input is now held at ``checkpoint_bits`` where the copy behind
+    it holds fewer (tests/autograd/test_store.py): 0.993 and 0.996, worst adapters 0.98 and 0.99."""
     model, lora = _lora(model_type, "eager", dropout=0.1)
     model.activation_checkpointing_enable()
     model.enable_input_require_grads()
-    finals = [name for name, _ in model.named_modules() if name.endswith("final_layer_norm")]
-    assert len(finals) == 2
-    config = (hd.DivisionConfig(module_bits=json.dumps({name: 8 for name in finals})) if at_8_bits == "final norms"
-              else hd.DivisionConfig(norm_bits=8))
-    compare_step(lora, _batch(model_type, "right", 37, 3), PRECISIONS["bf16"], False, config, bounds=(WHOLE, PER_TENSOR))
+    compare_step(lora, _batch(model_type, "right", 37, 3), PRECISIONS["bf16"], False, bounds=(0.985, 0.97))
