@@ -23,6 +23,20 @@ def timed(step: Callable[[], object], device: str = "cpu") -> float:
     return time.perf_counter() - t0
 
 
+def timed_host(step: Callable[[], object], device: str = "cpu") -> tuple[float, float]:
+    """``(host seconds, seconds)`` of ``step()``: until it returned, and with its CUDA work done.
+    On a GPU the first is what the host spends sending the step (where the launch queue is full,
+    the host waits in it too); the step takes about the larger of that and the GPU's own time
+    (docs/DESIGN.md, "On a GPU": host time)."""
+    sync = _sync(device)
+    sync()
+    t0 = time.perf_counter()
+    step()
+    host = time.perf_counter() - t0
+    sync()
+    return host, time.perf_counter() - t0
+
+
 def median_time(fn: Callable[[], object], rounds: int = 7) -> float:
     """Median seconds of ``rounds`` calls of ``fn`` (CPU), after one untimed warm-up call: for
     kernels timed alone, where one method at a time is enough."""

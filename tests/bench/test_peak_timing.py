@@ -13,7 +13,7 @@ from hf_division.autograd import rms_norm
 from hf_division.bench import suites
 from hf_division.bench.malloc_env import MALLOC_ENV
 from hf_division.bench.peak import forked, run_clean, step_peak
-from hf_division.analysis.timing import interleaved_medians, quartile_ratios, round_ratios, timed
+from hf_division.analysis.timing import interleaved_medians, quartile_ratios, round_ratios, timed, timed_host
 
 
 def test_interleaved_medians_rotate_and_drop_the_warm_up_round():
@@ -29,6 +29,16 @@ def test_interleaved_medians_rotate_and_drop_the_warm_up_round():
     interleaved_medians(["a", "b"], lambda name: log.append(name) or 1.0, 1, before_round=log.append)
     assert log == [0, "a", "b", 1, "b", "a"]
     assert 0 <= timed(lambda: None) < 1
+
+
+def test_timed_host_splits_the_hosts_seconds_from_the_synchronized_step(monkeypatch):
+    """The host's seconds end when the step's Python returns, the step's after the device's work:
+    a stand-in synchronize that waits 50 ms counts in the second only."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: time.sleep(0.05))
+    host, step = timed_host(lambda: time.sleep(0.02), "cuda")
+    assert 0.02 <= host < 0.05 and step >= host + 0.05, (host, step)
+    host, step = timed_host(lambda: time.sleep(0.02))  # the CPU: nothing to wait for
+    assert 0.02 <= host <= step < host + 0.01, (host, step)
 
 
 def test_round_ratios_compare_steps_of_the_same_round():

@@ -16,7 +16,9 @@ Arms: ``none``; ``checkpointing`` (Transformers' activation checkpointing, non-r
 pairs with ``--shapes`` in order): bytes held for backward after one training forward
 (:func:`~hf_division.analysis.measure.account`); the step peak above the memory before the step
 (``torch.cuda.max_memory_allocated``, after one warm step); the first step's seconds (kernel
-compilation); median warm step seconds, arms interleaved (:mod:`~hf_division.analysis.timing`); the float64
+compilation); median warm step seconds, arms interleaved (:mod:`~hf_division.analysis.timing`), and the
+median of the host's seconds in those steps until the step's Python returned (``host_s``: a step
+that takes about as long waits for its host); the float64
 gradient cosine to ``none``'s, the minimum over ``--draws`` noise draws; the Triton launches per step.
 ``--compiled``: where the Triton kernels do not apply (flat groups), the compressor's torch kernels
 through ``torch.compile``; without it they run eagerly, which needs no compilation. ``--quick``:
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import statistics
 import sys
 import time
 
@@ -45,7 +48,7 @@ from hf_division.kernels import configured, triton_codec
 from hf_division.analysis.measure import account
 from hf_division.bench.peak import step_peak
 from hf_division.bench.textdata import random_tokens
-from hf_division.analysis.timing import interleaved_medians, timed
+from hf_division.analysis.timing import interleaved_medians, timed, timed_host
 from hf_division.bench.suites.common import AUTOCAST, suite_parser, write_json
 
 ARMS = ("none", "checkpointing", "offload", "division", "division+checkpointing")
@@ -135,15 +138,19 @@ def measure(model, batch: dict, amp, rounds: int, device: str, draws: int = 1,
         out[arm]["cosine"] = min(cosine(exact, flat_grad(model, batch, 0, amp, noise_seed=1000 + d))
                                  for d in range(draws if "division" in arm else 1))
     state = {"arm": None}
+    host = {arm: [] for arm in names}
 
     def seconds(arm):
         if state["arm"] != arm:
             set_arm(model, arm, config)
             state["arm"] = arm
-        return timed(step, device)
+        h, s = timed_host(step, device)
+        host[arm].append(h)
+        return s
 
     for arm, s in interleaved_medians(list(names), seconds, rounds).items():
         out[arm]["step_s"] = s
+        out[arm]["host_s"] = statistics.median(host[arm][1:])  # the warm-up round left out, as for step_s
     set_arm(model, "none")
     if graphs:
         out.update(measure_graphs(model, batch, amp, rounds, device, exact, config))
@@ -223,7 +230,7 @@ def measure_graphs(model, batch: dict, amp, rounds: int, device: str, exact: tor
 def report(shape: str, size: tuple, res: dict) -> str:
     base = res["none"]
     lines = [f"{shape} {size[0]}x{size[1]}: arm | held MiB (fewer) | peak MiB | first step s | step s (x none) | "
-             f"cosine (min) | triton launches"]
+             f"host s | cosine (min) | triton launches"]
     for arm, r in res.items():
         if "graph" in arm:
             lines.append(f"  {arm:24s} " + (r["error"] if "error" in r else
@@ -232,7 +239,8 @@ def report(shape: str, size: tuple, res: dict) -> str:
             continue
         lines.append(f"  {arm:24s} {r['held_mib']:9.0f} ({base['held_mib'] / r['held_mib']:.1f}x) "
                      f"{r['peak_mib']:9.0f} {r['first_step_s']:7.2f} {r['step_s']:.4f} "
-                     f"({r['step_s'] / base['step_s']:.2f}x) {r['cosine']:.5f} {r['triton_launches']}")
+                     f"({r['step_s'] / base['step_s']:.2f}x) {r.get('host_s', float('nan')):.4f} {r['cosine']:.5f} "
+                     f"{r['triton_launches']}")
     return "\n".join(lines)
 
 
