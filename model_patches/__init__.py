@@ -38,7 +38,7 @@ FAMILIES = {
     "qwen2_moe": ("qwen2_moe",),
     "qwen3": ("qwen3",),
     "qwen3_moe": ("qwen3_moe",),
-    "t5": ("t5", "mt5"),
+    "t5": ("t5", "mt5", "umt5"),
     "vit": ("vit",),
     "whisper": ("whisper",),
 }

@@ -1,4 +1,4 @@
-"""T5 and mT5: encoder-decoder, RMS-style ``T5LayerNorm``, ReLU (``T5DenseActDense``) or gated-GELU
+"""T5, mT5 and umT5: encoder-decoder, RMS-style ``T5LayerNorm``, ReLU (``T5DenseActDense``) or gated-GELU
 (``T5DenseGatedActDense``) feed-forward, relative position bias, cross-attention.
 
 Attention goes through Transformers' attention interface (eager and sdpa), with the position bias
@@ -18,11 +18,15 @@ stay one tensor a stack.
 
 mT5 (``model_type`` ``mt5``) is T5's modeling file copied under ``MT5`` names (the same attention,
 block and stack forwards, Transformers' "Copied from" markers), so it takes T5's patcher and policy
-with its own norm and feed-forward classes.
+with its own norm and feed-forward classes. umT5 (``umt5``) has the same layers but a position bias
+in every self-attention (its own embedding), computed inside the attention from the layer's own
+parameters and passed to the attention interface as a keyword tensor with the mask apart: each
+layer's ``AttentionFn`` holds its bias as it is, and no bias crosses a checkpointed layer's inputs.
 """
 import torch
 from transformers.models.mt5.modeling_mt5 import MT5DenseGatedActDense, MT5LayerNorm
 from transformers.models.t5.modeling_t5 import T5DenseGatedActDense, T5LayerNorm
+from transformers.models.umt5.modeling_umt5 import UMT5DenseGatedActDense, UMT5LayerNorm
 
 from hf_division.patching.primitives import patch_gated_body
 from hf_division.registry import CheckpointForward, TrainingCache, register
@@ -38,13 +42,13 @@ def _gated_ff(ff, x, product):
     return ff.wo(h)
 
 
-def _patch_gated_ff(state, ff: T5DenseGatedActDense | MT5DenseGatedActDense) -> None:
+def _patch_gated_ff(state, ff: T5DenseGatedActDense | MT5DenseGatedActDense | UMT5DenseGatedActDense) -> None:
     patch_gated_body(state, ff, ff.act, _gated_ff)
 
 
-apply_division_to_t5 = register("t5", "mt5", defaults=DECODER_DEFAULTS, training_cache=TrainingCache.ENCODER_DECODER,
+apply_division_to_t5 = register("t5", "mt5", "umt5", defaults=DECODER_DEFAULTS, training_cache=TrainingCache.ENCODER_DECODER,
                                checkpoint_forward=CheckpointForward.AS_CHECKPOINTED,
                                checkpoint_exact=("position_bias", "encoder_decoder_position_bias"))(
-    with_patches(encoder_patcher(norm_types=(T5LayerNorm, MT5LayerNorm)),
-                 ((T5DenseGatedActDense, MT5DenseGatedActDense), _patch_gated_ff))
+    with_patches(encoder_patcher(norm_types=(T5LayerNorm, MT5LayerNorm, UMT5LayerNorm)),
+                 ((T5DenseGatedActDense, MT5DenseGatedActDense, UMT5DenseGatedActDense), _patch_gated_ff))
 )

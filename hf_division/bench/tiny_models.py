@@ -96,7 +96,7 @@ class Case:
 #: one row per model type that differs from the default (BERT-sized sequence classifier on tokens)
 CASES = {
     **{t: Case(s) for t, s in SIZES.items()},
-    **{t: Case(T5, batch=functools.partial(token_batch, pad_id=0, eos_id=EOS)) for t in ("t5", "mt5")},
+    **{t: Case(T5, batch=functools.partial(token_batch, pad_id=0, eos_id=EOS)) for t in ("t5", "mt5", "umt5")},
     "vit": Case(VIT, auto=AutoModelForImageClassification, batch=pixel_batch),
     **{t: Case(BART, batch=functools.partial(token_batch, eos_id=BART["eos_token_id"])) for t in ("bart", "mbart")},
     "whisper": Case(WHISPER, auto=AutoModelForSpeechSeq2Seq, batch=audio_batch),

@@ -78,7 +78,7 @@ def test_lora_step_matches_the_unpatched_model(model_type, precision, padding, i
     assert all("lora_" in n for n in exact)
 
 
-@pytest.mark.parametrize("model_type", ["t5", "mt5"])
+@pytest.mark.parametrize("model_type", ["t5", "mt5", "umt5"])
 def test_t5_family_lora_under_checkpointing(model_type):
     """mT5's case of the sweep (bf16, right padding, eager, checkpointing) and T5's in it, held to
     tighter bounds than the sweep's. The decoder layers' checkpoints took the encoder output, derived

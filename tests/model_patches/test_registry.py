@@ -71,7 +71,7 @@ def test_how_a_checkpointed_layer_runs_is_declared():
         registry.register("not-a-model-type", checkpoint_exact="position_bias")
     assert registry.family("t5").checkpoint_exact == ("position_bias", "encoder_decoder_position_bias")
     # mT5 is T5's modeling file under other names: one family, one patcher and policy
-    assert registry.family("mt5") == registry.family("t5")
+    assert registry.family("mt5") == registry.family("umt5") == registry.family("t5")
 
 
 PROBE = r"""

@@ -66,15 +66,16 @@ def test_t5_heads(head, impl):
 
 @pytest.mark.parametrize("checkpointing", [None, {"use_reentrant": False}, {"use_reentrant": True}],
                          ids=["plain", "checkpointing", "reentrant"])
-@pytest.mark.parametrize("model_type", ["t5", "mt5"])
+@pytest.mark.parametrize("model_type", ["t5", "mt5", "umt5"])
 def test_t5_without_dropout_bit_identical(checkpointing, model_type):
     """T5 with sdpa and ``dropout_rate=0``: its additive mask is built from the position bias,
     which needs a gradient, so sdpa runs its math kernel; division's attention calls it so
     (before, it ran flash there, and the logits differed by about 1e-6). Checkpointed, the first
     forward runs as the model's checkpointing function runs it: non-reentrant (Transformers'
     default) under autograd, so the mask needs a gradient there too; reentrant without it. mT5,
-    T5's modeling file under other names, registers with T5's family."""
-    cls = tf.T5ForConditionalGeneration if model_type == "t5" else tf.MT5ForConditionalGeneration
+    T5's modeling file under other names, and umT5 (a bias per layer) register with T5's family."""
+    cls = {"t5": tf.T5ForConditionalGeneration, "mt5": tf.MT5ForConditionalGeneration,
+           "umt5": tf.UMT5ForConditionalGeneration}[model_type]
     model = _model(cls, model_type, "sdpa", dropout_rate=0.0)
     if checkpointing is not None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing)
