@@ -13,6 +13,8 @@ cases only.
 """
 import gc
 import itertools
+import json
+import os
 
 import pytest
 import torch
@@ -38,8 +40,12 @@ IMPLS = ["eager", "sdpa"]
 #: 37 is a multiple of none, with a partial last block and group
 SHAPES = [(64, 3), (37, 1), (37, 3), (64, 1)]
 #: whole-gradient cosine and per-tensor cosine (tensors with >= 1% of the gradient's norm), one noise
-#: draw per case; measured minima over the matrix are in docs/GUIDE.md ("Gradient fidelity")
-WHOLE, PER_TENSOR, SHARE = 0.98, 0.9, 0.01
+#: draw per case; the lowest cases read 0.9925 and 0.965 (``python scripts/matrix_cosines.py``;
+#: docs/GUIDE.md, "Gradient fidelity"): close enough that a checkpointed layer recomputed from a
+#: 4-bit copy (T5's, mT5's, umT5's cases: down to 0.989 and 0.971) would come near them
+WHOLE, PER_TENSOR, SHARE = 0.985, 0.95, 0.01
+#: where :func:`compare_step` appends each case's figures (one JSON line), if set: the bounds' evidence
+COSINES_ENV = "HF_DIVISION_MATRIX_COSINES"
 
 
 def graphs_alive() -> int:
@@ -140,6 +146,10 @@ def compare_step(model, data: dict, amp, inside: bool, config=None, bounds=(WHOL
     norm = flat.norm()
     tensors = {n: cosine(exact[n], got[n]) for n in exact if exact[n].norm() >= SHARE * norm}
     worst = min(tensors.items(), key=lambda item: item[1])
+    if os.environ.get(COSINES_ENV):
+        with open(os.environ[COSINES_ENV], "a") as f:
+            f.write(json.dumps({"case": os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0], "whole": whole,
+                                "tensor": worst[1], "name": worst[0], "bounds": list(bounds)}) + "\n")
     assert whole >= bounds[0] and worst[1] >= bounds[1], (whole, worst)
     return exact
 
@@ -152,6 +162,26 @@ def test_moe_experts_rows_at_four_bits(precision):
     layer's expert inputs at 4 bits (``late_layers=0``; the default holds both layers of this tiny
     model at 8 bits), a left-padded single row leaves that layer's experts' down_proj below 0.9."""
     _check_step("qwen2_moe", precision, "left", "sdpa", 37, 1, True, config=hd.DivisionConfig(late_layers=0))
+
+
+def test_matrix_cosines_script_records_each_case(tmp_path):
+    """``scripts/matrix_cosines.py`` (the bounds' evidence) on two cases: each records its cosines
+    and the bounds it was held to, and the report names the lowest."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "cosines.json"
+    run = subprocess.run([sys.executable, os.path.join(root, "scripts", "matrix_cosines.py"), "--workers", "1",
+                          "--json", str(out), "-k", "gpt2-fp32-none-eager-64x3-outside or t5_family_lora and mt5 and not umt5"],
+                         capture_output=True, text=True, timeout=300, cwd=root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {r["case"].split("::")[-1]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"test_step_matches_the_unpatched_model[gpt2-fp32-none-eager-64x3-outside]",
+                         "test_t5_family_lora_under_checkpointing[mt5]"}, rows
+    for r in rows.values():
+        assert r["whole"] >= r["bounds"][0] and r["tensor"] >= r["bounds"][1] and r["name"], r
+    assert "lowest per tensor" in run.stdout and "gpt2-fp32-none-eager-64x3-outside" in run.stdout
 
 
 def test_no_step_leaves_a_graph_behind(graphs_before):
