@@ -46,7 +46,8 @@ def _patch_gated_ff(state, ff: T5DenseGatedActDense | MT5DenseGatedActDense | UM
     patch_gated_body(state, ff, ff.act, _gated_ff)
 
 
-apply_division_to_t5 = register("t5", "mt5", "umt5", defaults=DECODER_DEFAULTS, training_cache=TrainingCache.ENCODER_DECODER,
+apply_division_to_t5 = register("t5", "mt5", "umt5", defaults=DECODER_DEFAULTS,
+                               training_cache=TrainingCache.ENCODER_DECODER,
                                checkpoint_forward=CheckpointForward.AS_CHECKPOINTED,
                                checkpoint_exact=("position_bias", "encoder_decoder_position_bias"))(
     with_patches(encoder_patcher(norm_types=(T5LayerNorm, MT5LayerNorm, UMT5LayerNorm)),

@@ -172,9 +172,9 @@ def test_matrix_cosines_script_records_each_case(tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path / "cosines.json"
+    select = "gpt2-fp32-none-eager-64x3-outside or t5_family_lora and mt5 and not umt5"
     run = subprocess.run([sys.executable, os.path.join(root, "scripts", "matrix_cosines.py"), "--workers", "1",
-                          "--json", str(out), "-k", "gpt2-fp32-none-eager-64x3-outside or t5_family_lora and mt5 and not umt5"],
-                         capture_output=True, text=True, timeout=300, cwd=root)
+                          "--json", str(out), "-k", select], capture_output=True, text=True, timeout=300, cwd=root)
     assert run.returncode == 0, run.stderr[-3000:]
     rows = {r["case"].split("::")[-1]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"test_step_matches_the_unpatched_model[gpt2-fp32-none-eager-64x3-outside]",
