@@ -40,9 +40,9 @@ IMPLS = ["eager", "sdpa"]
 #: 37 is a multiple of none, with a partial last block and group
 SHAPES = [(64, 3), (37, 1), (37, 3), (64, 1)]
 #: whole-gradient cosine and per-tensor cosine (tensors with >= 1% of the gradient's norm), one noise
-#: draw per case; the lowest cases read 0.9925 and 0.965 (``python scripts/matrix_cosines.py``;
-#: docs/GUIDE.md, "Gradient fidelity"): close enough that a checkpointed layer recomputed from a
-#: 4-bit copy (T5's, mT5's, umT5's cases: down to 0.989 and 0.971) would come near them
+#: draw per case: as close under the lowest cases as their repeatability allows, so that an error
+#: of the mechanism shows (their figures: ``python scripts/matrix_cosines.py``; docs/GUIDE.md,
+#: "Gradient fidelity")
 WHOLE, PER_TENSOR, SHARE = 0.985, 0.95, 0.01
 #: where :func:`compare_step` appends each case's figures (one JSON line), if set: the bounds' evidence
 COSINES_ENV = "HF_DIVISION_MATRIX_COSINES"
