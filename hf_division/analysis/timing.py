@@ -15,12 +15,7 @@ import torch
 
 def timed(step: Callable[[], object], device: str = "cpu") -> float:
     """Seconds ``step()`` takes, CUDA work included."""
-    sync = _sync(device)
-    sync()
-    t0 = time.perf_counter()
-    step()
-    sync()
-    return time.perf_counter() - t0
+    return timed_host(step, device)[1]
 
 
 def timed_host(step: Callable[[], object], device: str = "cpu") -> tuple[float, float]:

@@ -52,8 +52,7 @@ def _lora(model_type, impl, dropout):
 
 
 #: known exceptions (docs/GUIDE.md, "Gradient fidelity"): case id -> reason, each a strict expected
-#: failure; none now (T5's family under checkpointing was one until its fix:
-#: test_t5_family_lora_under_checkpointing)
+#: failure
 KNOWN: dict = {}
 
 
