@@ -16,8 +16,9 @@ from transformers import PretrainedConfig
 
 from hf_division.patching.attention import CONFIG_ATTR, restore
 from hf_division.config import DivisionConfig
+from hf_division.patching.checkpointing import patch_checkpointing
 from hf_division.patching.primitives import (
-    patch_causal_lm_loss, patch_checkpointing, patch_root, restore_loss_functions, restore_rotary,
+    patch_causal_lm_loss, patch_root, restore_loss_functions, restore_rotary,
 )
 from hf_division.patching.wrappers import PatchState, layer_names, restore_forward, unwrap
 from hf_division.registry import CheckpointForward, TrainingCache, fallback, family, supported_model_types

@@ -28,6 +28,7 @@ FAMILIES = {
     "gpt2": ("gpt2",),
     "gpt_neox": ("gpt_neox",),
     "llama": ("llama",),
+    "longt5": ("longt5",),
     "mistral": ("mistral",),
     "mixtral": ("mixtral",),
     "modernbert": ("modernbert",),

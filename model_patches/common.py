@@ -1,11 +1,12 @@
 """Pieces the architecture patchers share: patcher factories and the measured family defaults."""
 import functools
 
+import torch
 from torch import nn
 from transformers.activations import ACT2CLS
 
 from hf_division.patching.primitives import (
-    patch_gated_mlp, patch_modules, patch_rotary, patch_saved, use_attention_interface,
+    patch_gated_body, patch_gated_mlp, patch_modules, patch_rotary, patch_saved, use_attention_interface,
 )
 
 #: activation modules Transformers builds from ``config.hidden_act``
@@ -97,3 +98,17 @@ def moe_patcher(norm_type, mlp_type, experts_type, router_type, attention_type=(
     return with_patches(gated_decoder_patcher(norm_type, mlp_type, attention_type=attention_type),
                         (experts_type, functools.partial(patch_saved, kind="activation")),
                         (router_type, functools.partial(patch_saved, kind="linear")))
+
+
+def _t5_gated_ff(ff, x, product):
+    """``wo(dropout(act(wi_0(x)) * wi_1(x)))``: gate and up kept compressed once, product derived."""
+    h = ff.dropout(product(ff.wi_0(x), ff.wi_1(x)))
+    if h.dtype != ff.wo.weight.dtype and ff.wo.weight.dtype != torch.int8:
+        h = h.to(ff.wo.weight.dtype)  # T5 keeps ``wo`` in float32 (as the original forward)
+    return ff.wo(h)
+
+
+def patch_t5_gated_ff(state, ff: nn.Module) -> None:
+    """T5's gated-GELU feed-forward (``wi_0``, ``wi_1``, ``dropout``, ``wo``, ``act``; T5 v1.1,
+    mT5, umT5, LongT5): :func:`~hf_division.patching.primitives.patch_gated_body` around it."""
+    patch_gated_body(state, ff, ff.act, _t5_gated_ff)

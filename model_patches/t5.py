@@ -23,27 +23,13 @@ in every self-attention (its own embedding), computed inside the attention from 
 parameters and passed to the attention interface as a keyword tensor with the mask apart: each
 layer's ``AttentionFn`` holds its bias as it is, and no bias crosses a checkpointed layer's inputs.
 """
-import torch
 from transformers.models.mt5.modeling_mt5 import MT5DenseGatedActDense, MT5LayerNorm
 from transformers.models.t5.modeling_t5 import T5DenseGatedActDense, T5LayerNorm
 from transformers.models.umt5.modeling_umt5 import UMT5DenseGatedActDense, UMT5LayerNorm
 
-from hf_division.patching.primitives import patch_gated_body
 from hf_division.registry import CheckpointForward, TrainingCache, register
 
-from .common import DECODER_DEFAULTS, encoder_patcher, with_patches
-
-
-def _gated_ff(ff, x, product):
-    """``wo(dropout(act(wi_0(x)) * wi_1(x)))``: gate and up kept compressed once, product derived."""
-    h = ff.dropout(product(ff.wi_0(x), ff.wi_1(x)))
-    if h.dtype != ff.wo.weight.dtype and ff.wo.weight.dtype != torch.int8:
-        h = h.to(ff.wo.weight.dtype)  # T5 keeps ``wo`` in float32 (as the original forward)
-    return ff.wo(h)
-
-
-def _patch_gated_ff(state, ff: T5DenseGatedActDense | MT5DenseGatedActDense | UMT5DenseGatedActDense) -> None:
-    patch_gated_body(state, ff, ff.act, _gated_ff)
+from .common import DECODER_DEFAULTS, encoder_patcher, patch_t5_gated_ff, with_patches
 
 
 apply_division_to_t5 = register("t5", "mt5", "umt5", defaults=DECODER_DEFAULTS,
@@ -51,5 +37,5 @@ apply_division_to_t5 = register("t5", "mt5", "umt5", defaults=DECODER_DEFAULTS,
                                checkpoint_forward=CheckpointForward.AS_CHECKPOINTED,
                                checkpoint_exact=("position_bias", "encoder_decoder_position_bias"))(
     with_patches(encoder_patcher(norm_types=(T5LayerNorm, MT5LayerNorm, UMT5LayerNorm)),
-                 ((T5DenseGatedActDense, MT5DenseGatedActDense, UMT5DenseGatedActDense), _patch_gated_ff))
+                 ((T5DenseGatedActDense, MT5DenseGatedActDense, UMT5DenseGatedActDense), patch_t5_gated_ff))
 )

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from transformers import (AutoConfig, AutoModelForImageClassification, AutoModelForSequenceClassification,
-                          AutoModelForSpeechSeq2Seq)
+from transformers import (AutoConfig, AutoModelForImageClassification, AutoModelForSeq2SeqLM,
+                          AutoModelForSequenceClassification, AutoModelForSpeechSeq2Seq)
 
 EOS = 1  # T5's eos id
 
@@ -39,6 +39,11 @@ SIZES = {
 
 T5 = dict(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
           relative_attention_num_buckets=16, pad_token_id=0, eos_token_id=EOS, decoder_start_token_id=0)
+#: LongT5: T5's sizes, transient-global encoder attention (its local attention's blocks plus the
+#: global aggregates) in blocks of 9 tokens, off the compressor's block size, and 16 aggregates at 64
+#: tokens; LongT5 has no sequence-classification head: conditional generation on 16 label tokens
+LONGT5 = dict(T5, local_radius=8, global_block_size=4, encoder_attention_type="transient-global",
+              feed_forward_proj="gated-gelu")
 BART = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
             encoder_ffn_dim=128, decoder_ffn_dim=128, eos_token_id=2, bos_token_id=0)
 #: Whisper: 128 encoder tokens (from 256 mel frames; Whisper accepts exactly 2 x max_source_positions)
@@ -69,6 +74,14 @@ def token_batch(batch=4, seq=64, seed=0, pad_from=None, pad_id=1, eos_id=None):
     return {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(0, 3, (batch,), generator=g)}
 
 
+def seq2seq_batch(batch=4, seq=64, seed=0, pad_from=None, pad_id=0, eos_id=EOS, targets=16):
+    """:func:`token_batch`'s inputs with ``targets`` label tokens per row in [5, 128) instead of a class."""
+    out = token_batch(batch, seq, seed, pad_from, pad_id, eos_id)
+    g = torch.Generator().manual_seed(seed + 1)
+    out["labels"] = torch.randint(5, 128, (batch, targets), generator=g)
+    return out
+
+
 def pixel_batch(batch=4, seq=None, seed=0, pad_from=None, image_size=VIT["image_size"]):
     """Random ``(batch, 3, image_size, image_size)`` pixels + labels; ``seq``/``pad_from`` unused."""
     g = torch.Generator().manual_seed(seed)
@@ -97,6 +110,7 @@ class Case:
 CASES = {
     **{t: Case(s) for t, s in SIZES.items()},
     **{t: Case(T5, batch=functools.partial(token_batch, pad_id=0, eos_id=EOS)) for t in ("t5", "mt5", "umt5")},
+    "longt5": Case(LONGT5, auto=AutoModelForSeq2SeqLM, batch=seq2seq_batch),
     "vit": Case(VIT, auto=AutoModelForImageClassification, batch=pixel_batch),
     **{t: Case(BART, batch=functools.partial(token_batch, eos_id=BART["eos_token_id"])) for t in ("bart", "mbart")},
     "whisper": Case(WHISPER, auto=AutoModelForSpeechSeq2Seq, batch=audio_batch),

@@ -10,7 +10,7 @@ from packaging.version import Version
 
 #: The first Transformers whose ``GradientCheckpointingLayer`` checkpoints inside ``forward`` (a
 #: wrapper set on the class, the plain ``forward`` as its ``__wrapped__``, which
-#: ``primitives.patch_checkpointing`` calls) and whose models have
+#: ``checkpointing.patch_checkpointing`` calls) and whose models have
 #: ``activation_checkpointing_enable``. Earlier 5.x releases checkpoint in ``__call__``, around
 #: division's own checkpointing.
 MIN_TRANSFORMERS = (5, 23)

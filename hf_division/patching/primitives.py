@@ -11,8 +11,6 @@ replaced in a :class:`PatchState`; :mod:`hf_division.api` owns that state's life
 from __future__ import annotations
 
 import contextlib
-import functools
-import inspect
 import sys
 import warnings
 import weakref
@@ -20,7 +18,6 @@ import weakref
 import torch
 from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
-from transformers.modeling_layers import GradientCheckpointingLayer
 from hf_division.patching.attention import CONFIG_ATTR, switch
 from hf_division.config import DivisionConfig
 from hf_division.autograd.layer_norm import layer_norm, takes as layer_norm_takes
@@ -30,7 +27,7 @@ from hf_division.compress.noise import model_stream
 from hf_division.kernels.switches import switches
 from hf_division.autograd import rotary
 from hf_division.autograd.forward_mode import ForwardMode
-from hf_division.autograd.ops import CheckpointFn, GatedFn, LinearFn, RecomputeFn
+from hf_division.autograd.ops import GatedFn, LinearFn, RecomputeFn
 from hf_division.autograd.saved_hooks import compressed_saves
 from hf_division.autograd.padding import padding_of
 from hf_division.patching.training_cache import CacheSlot
@@ -268,61 +265,6 @@ def _refresh(state: PatchState, model: nn.Module, repatch) -> None:
     if sum(1 for _ in model.modules()) != state.n_modules or forget_lost(state):
         repatch()
         state.modes.clear()  # new modules (PEFT's adapters) may cast what the mode would route
-
-
-def patch_checkpointing(state: PatchState, model: nn.Module) -> None:
-    """Layers Transformers checkpoints (``GradientCheckpointingLayer`` with checkpointing on, e.g.
-    ``activation_checkpointing_enable(every_n_layers=...)``) run through :class:`CheckpointFn`:
-    the boundary input is kept compressed instead of whole, and the recomputation in backward
-    saves nothing compressed. Checked at call time, so enabling checkpointing later works too.
-    The first forward runs without autograd, or, where ``state.recorded_checkpoint`` and the
-    layer's checkpointing function is non-reentrant, under it as that function runs it
-    (:class:`~hf_division.registry.CheckpointForward`)."""
-
-    def make(orig, config):
-        def forward(self, *args, **kwargs):
-            if getattr(self, "gradient_checkpointing", False) and in_training(self):
-                inner = type(self).forward.__wrapped__  # the layer's forward without checkpointing
-                # keyword tensors that need a gradient (DeBERTa's ``rel_embeddings``, one LayerNorm
-                # output shared by every layer) become inputs: captured, each layer's backward would
-                # run through their graph again and find it freed
-                names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.requires_grad]
-                run = functools.partial(_call_split, inner, self, len(args), names,
-                                        {k: v for k, v in kwargs.items() if k not in names})
-                recorded = state.recorded_checkpoint and not _reentrant(self)
-                exact = (_exact_positions(inner, len(args), tuple(names), state.checkpoint_exact)
-                         if state.checkpoint_exact else frozenset())
-                return CheckpointFn.apply(run, config, recorded, exact, *args, *(kwargs[k] for k in names))
-            return orig(*args, **kwargs)
-
-        return forward
-
-    for module in model.modules():
-        if isinstance(module, GradientCheckpointingLayer):
-            wrap_forward(state, module, functools.partial(make, config=config_for(state, module)))
-
-
-@functools.lru_cache(maxsize=256)
-def _exact_positions(forward, n_args: int, names: tuple, exact: frozenset) -> frozenset:
-    """Which of :class:`CheckpointFn`'s inputs (``n_args`` positional, then keyword ``names``) a
-    layer's ``forward`` takes under a name in ``exact`` (the family's ``checkpoint_exact``;
-    T5's blocks take their position biases positionally)."""
-    params = list(inspect.signature(forward).parameters)[1:n_args + 1]
-    return frozenset(i for i, name in enumerate(params + list(names)) if name in exact)
-
-
-def _reentrant(layer: nn.Module) -> bool:
-    """Whether ``layer``'s checkpointing function is reentrant (runs the first forward without
-    autograd), by the keywords Transformers bound it with (``activation_checkpointing_kwargs``,
-    whose default is ``{"use_reentrant": False}``); where they do not say, by
-    ``torch.utils.checkpoint.checkpoint``'s own default, reentrant."""
-    reentrant = getattr(getattr(layer, "_gradient_checkpointing_func", None), "keywords", {}).get("use_reentrant")
-    return True if reentrant is None else bool(reentrant)
-
-
-def _call_split(fn, module, n_args: int, names: list, kwargs: dict, *inputs):
-    """``fn(module, *inputs[:n_args], **kwargs, **{names: the rest of inputs})``."""
-    return fn(module, *inputs[:n_args], **kwargs, **dict(zip(names, inputs[n_args:])))
 
 
 #: the LM head's input is kept exact: the fused loss recomputes the logits from it

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_division as hd
 from hf_division.analysis.fidelity import cosine
-from hf_division.bench.tiny_models import case, tiny_batch, tiny_config, token_batch
+from hf_division.bench.tiny_models import case, seq2seq_batch, tiny_batch, tiny_config, token_batch
 from hf_division.compress.noise import reseed
 
 from conftest import tiny_model
@@ -32,10 +32,14 @@ pytestmark = pytest.mark.heavy
 TYPES = hd.supported_model_types()
 DECODERS = {"falcon", "gemma", "gemma2", "gemma3_text", "gpt2", "gpt_neox", "llama", "mistral", "mixtral", "opt", "phi",
             "phi3", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}
-TOKENS = {t for t in TYPES if getattr(case(t).batch, "func", case(t).batch) is token_batch}
+TOKENS = {t for t in TYPES if getattr(case(t).batch, "func", case(t).batch) in (token_batch, seq2seq_batch)}
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 PADDINGS = ["none", "right", "left"]
 IMPLS = ["eager", "sdpa"]
+#: types whose models Transformers builds with eager attention only: their combinations run eager
+#: in the sdpa slots too, so that they still see every shape and both backward placements
+#: (:func:`test_eager_only_types_are_those_without_sdpa` keeps the set true)
+EAGER_ONLY = {"deberta-v2", "gemma2", "longt5"}
 #: (sequence length, batch): 64 is a multiple of every block (8, 16) and of the token groups' 32;
 #: 37 is a multiple of none, with a partial last block and group
 SHAPES = [(64, 3), (37, 1), (37, 3), (64, 1)]
@@ -64,7 +68,8 @@ def graphs_before():
 def _cases():
     for model_type in TYPES:
         paddings = PADDINGS if model_type in TOKENS else ["none"]
-        combos = list(itertools.product(PRECISIONS, paddings, IMPLS))
+        impls = ["eager"] if model_type in EAGER_ONLY else IMPLS
+        combos = list(itertools.product(PRECISIONS, paddings, impls))
         for i, (precision, padding, impl) in enumerate(combos):
             # every family sees every shape and both backward placements, spread over its combos, and
             # checkpointing in a third of them: every precision, padding and attention once at least
@@ -73,6 +78,17 @@ def _cases():
             name = (f"{model_type}-{precision}-{padding}-{impl}-{seq}x{batch}-{'inside' if i % 2 else 'outside'}"
                     + ("-checkpointing" if ckpt else ""))
             yield pytest.param(model_type, precision, padding, impl, seq, batch, i % 2 == 1, ckpt, id=name)
+
+
+def test_eager_only_types_are_those_without_sdpa():
+    """:data:`EAGER_ONLY` is exactly the types whose tiny model Transformers refuses sdpa for."""
+    refused = set()
+    for model_type in TYPES:
+        try:
+            _model(model_type, "sdpa")
+        except pytest.skip.Exception:
+            refused.add(model_type)
+    assert refused == EAGER_ONLY
 
 
 def _model(model_type: str, impl: str):

@@ -8,13 +8,11 @@ import itertools
 
 import pytest
 
-from test_matrix import DECODERS, PADDINGS, PRECISIONS, TOKENS, TYPES, _batch, _model, compare_step
+from test_matrix import DECODERS, EAGER_ONLY, PADDINGS, PRECISIONS, TOKENS, TYPES, _batch, _model, compare_step
 
 peft = pytest.importorskip("peft")
 pytestmark = pytest.mark.heavy
 
-#: families Transformers gives no sdpa attention
-NO_SDPA = {"deberta-v2", "gemma2"}
 #: whole-gradient and per-tensor cosine (tensors with >= 1% of the norm), one noise draw: looser
 #: than the matrix's full fine-tune, since an adapter's gradient is the product of few directions
 #: and a tiny model's is noisier (docs/GUIDE.md, "Gradient fidelity", for real models' figures);
@@ -28,7 +26,7 @@ def _cases():
     for i, model_type in enumerate(TYPES):
         precision, padding, impl, ckpt = combos[(5 * i) % len(combos)]
         padding = padding if model_type in TOKENS else "none"
-        impl = "eager" if model_type in NO_SDPA else impl
+        impl = "eager" if model_type in EAGER_ONLY else impl
         yield _case(model_type, precision, padding, impl, ckpt)
     # and what this sweep found wrong: DeBERTa's position projections made in another order than
     # the original's (an adapter's dropout draws there: the forward changed; test_t5_vit.py has
