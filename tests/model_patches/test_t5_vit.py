@@ -110,13 +110,12 @@ def test_t5_gated_gelu_feed_forward(impl):
 @pytest.mark.parametrize("attention", ["local", "transient-global"])
 def test_longt5_sparse_encoder_attention(attention, checkpointing):
     """LongT5's encoder attention, local or transient-global, computed inline in blocks of 9 tokens
-    (64 tokens, rows padded from 59, 47 and 34): the training forward to the bit, the attention
-    recomputed in backward from its input instead of holding what autograd saves inside it (q
-    blocks, three-block keys and values, the probabilities), and the gradient within the matrix's
-    bounds over draws. Unpatched, those saves are the largest kind (2.7 of 7.4 MB local, 3.7 of 8.5
-    MB transient-global); recomputed, the kind holds 16.7x and 23.0x fewer bytes and the model 10.7x
-    and 11.1x. Held compressed where autograd saves them instead, it held 4.2x and 3.9x fewer, the
-    model 7.2x and 6.3x."""
+    (64 tokens, rows padded from 59, 47 and 34): the training forward to the bit, what autograd
+    saves inside it (q blocks, three-block keys and values, the probabilities) held compressed,
+    and the gradient within the matrix's bounds over draws. Unpatched, those saves are the largest
+    kind (2.5 of 7.0 MiB local, 3.5 of 8.1 MiB transient-global); held compressed, the kind holds
+    4.2x and 3.9x fewer bytes and the model 7.2x and 6.3x (``scripts/longt5_attention.py``). Left
+    exact, with only its projections' inputs compressed, the kind held 1.6x and 1.4x fewer."""
     model = _model(tf.LongT5ForConditionalGeneration, "longt5", "eager", encoder_attention_type=attention)
     if checkpointing:
         model.activation_checkpointing_enable()
@@ -131,10 +130,33 @@ def test_longt5_sparse_encoder_attention(attention, checkpointing):
     mem = hd.measure_activation_memory(model, batch)
     if not checkpointing:  # checkpointed, a layer holds its inputs only
         base, div = mem.by_kind["attention"]
-        assert base / div >= 10, mem.table()
-        assert mem.ratio >= 9, mem.table()
+        assert base / div >= 3, mem.table()
+        assert mem.ratio >= 5, mem.table()
     found = gradient_fidelity(model, batch, draws=3)
     assert found.worst >= 0.985 and found.worst_tensor[1] >= 0.95, found.summary()
+
+
+def test_longt5_attention_script_compares_hooking_with_recomputing():
+    """``scripts/longt5_attention.py`` (docs/RESULTS.md, "LongT5") on the tiny model: its three arms,
+    the attention recomputed (``patch_recomputed``) holding fewer bytes than division's saves
+    compressed where autograd saves them, both fewer than unpatched, both within the matrix's bounds."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    command = [sys.executable, os.path.join(root, "scripts", "longt5_attention.py"), "--attention", "local",
+               "--rounds", "1", "--draws", "1"]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {line.split()[0]: line for line in out.stdout.splitlines() if line.startswith("  ")}
+    assert set(rows) == {"none", "division", "division-recompute"}, out.stdout
+    kind = {arm: float(re.search(r"attention kind +[\d.]+ MiB \( *([\d.]+)x\)", line).group(1)) for arm, line in rows.items()}
+    assert kind["division-recompute"] > kind["division"] > kind["none"] == 1.0, out.stdout
+    for arm in ("division", "division-recompute"):
+        whole, tensor = map(float, re.search(r"cosine min ([\d.]+), per tensor ([\d.]+)", rows[arm]).groups())
+        assert whole >= 0.985 and tensor >= 0.95, out.stdout
 
 
 @pytest.mark.parametrize("impl", IMPLS)
