@@ -11,7 +11,7 @@ kept compressed where it is saved (:func:`~hf_division.patching.primitives.patch
 and dropped-out weights, each ``(batch, blocks, heads, block, 3 * block [+ globals])``, the
 encoder's largest saves. Recomputing the attention in backward from its input instead
 (:func:`~hf_division.patching.checkpointing.patch_recomputed`) held fewer bytes still but cost a
-fifth more step time (docs/RESULTS.md, "LongT5"). Checkpointing as T5's (``model_patches/t5.py``):
+quarter more step time (docs/RESULTS.md, "LongT5"). Checkpointing as T5's (``model_patches/t5.py``):
 the same block signature, and position biases passed from layer to layer.
 """
 import functools
