@@ -56,7 +56,7 @@ class LinearFn(torch.autograd.Function):
         ctx.entry = keep(x, kind, config) if weight.requires_grad else None
         ctx.save_for_backward(weight)
         ctx.has_bias, ctx.transposed = bias is not None, transposed
-        return fwd(x)
+        return not_a_view(fwd(x))
 
     @staticmethod
     @first_order
@@ -74,6 +74,16 @@ class LinearFn(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(0).to(weight.dtype)
         return gx, gw, gb, None, None, None, None
+
+
+def not_a_view(out: torch.Tensor) -> torch.Tensor:
+    """``out`` as a tensor autograd does not track as a view (the same storage and values). A
+    Function's output that is a view made inside its forward may not be modified in place (PyTorch
+    raises: its custom backward would be bypassed), and ``F.linear`` with a bias returns one for a
+    contiguous 3-D input (``addmm`` then ``view``), as GPT-2's ``Conv1D`` does: models that scale a
+    projection's output in place (Longformer's ``query /= sqrt(d)``) train unpatched, so they must
+    under division too."""
+    return torch.ops.aten._unsafe_view(out, out.shape) if out._is_view() else out
 
 
 class RecomputeFn(torch.autograd.Function):
