@@ -30,6 +30,9 @@ SIZES = {
     "qwen3_moe": dict(DECODER, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64),
     "qwen2_moe": dict(DECODER, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                       shared_expert_intermediate_size=64),
+    #: windows of 16 tokens, off the compressor's block size (64- and 37-token rows are padded to a
+    #: multiple of the window by the model)
+    "longformer": dict(DEFAULT_SIZES, attention_window=16),
     #: DeBERTa-v3's settings (relative attention, c2p and p2c, log buckets active at 128 tokens)
     "deberta-v2": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
                        relative_attention=True, pos_att_type="p2c|c2p", position_buckets=32, max_relative_positions=-1,
@@ -46,6 +49,9 @@ LONGT5 = dict(T5, local_radius=8, global_block_size=4, encoder_attention_type="t
               feed_forward_proj="gated-gelu")
 BART = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
             encoder_ffn_dim=128, decoder_ffn_dim=128, eos_token_id=2, bos_token_id=0)
+#: LED: BART's sizes, Longformer windows of 16 tokens in the encoder; no sequence-classification head
+#: in Transformers' auto classes: conditional generation on 16 label tokens
+LED = dict(BART, attention_window=16, max_encoder_position_embeddings=256, max_decoder_position_embeddings=256)
 #: Whisper: 128 encoder tokens (from 256 mel frames; Whisper accepts exactly 2 x max_source_positions)
 WHISPER = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
                encoder_ffn_dim=128, decoder_ffn_dim=128, max_source_positions=128, max_target_positions=160,
@@ -111,6 +117,8 @@ CASES = {
     **{t: Case(s) for t, s in SIZES.items()},
     **{t: Case(T5, batch=functools.partial(token_batch, pad_id=0, eos_id=EOS)) for t in ("t5", "mt5", "umt5")},
     "longt5": Case(LONGT5, auto=AutoModelForSeq2SeqLM, batch=seq2seq_batch),
+    "led": Case(LED, auto=AutoModelForSeq2SeqLM, batch=functools.partial(seq2seq_batch, pad_id=1,
+                                                                         eos_id=BART["eos_token_id"])),
     "vit": Case(VIT, auto=AutoModelForImageClassification, batch=pixel_batch),
     **{t: Case(BART, batch=functools.partial(token_batch, eos_id=BART["eos_token_id"])) for t in ("bart", "mbart")},
     "whisper": Case(WHISPER, auto=AutoModelForSpeechSeq2Seq, batch=audio_batch),

@@ -39,7 +39,7 @@ IMPLS = ["eager", "sdpa"]
 #: types whose models Transformers builds with eager attention only: their combinations run eager
 #: in the sdpa slots too, so that they still see every shape and both backward placements
 #: (:func:`test_eager_only_types_are_those_without_sdpa` keeps the set true)
-EAGER_ONLY = {"deberta-v2", "gemma2", "longt5"}
+EAGER_ONLY = {"deberta-v2", "gemma2", "led", "longformer", "longt5"}
 #: (sequence length, batch): 64 is a multiple of every block (8, 16) and of the token groups' 32;
 #: 37 is a multiple of none, with a partial last block and group
 SHAPES = [(64, 3), (37, 1), (37, 3), (64, 1)]
