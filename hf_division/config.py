@@ -163,6 +163,11 @@ class DivisionConfig:
         None, "Keep tokens exact whose max |x| exceeds this many times the median token's; 0: off; unset: family default.")
     dropout_bits: bool = _field(True, "Store dropout masks as 1 bit per element.")
     generic_fallback: bool = _field(False, "Patch model types without a registered patcher generically (with a warning).")
+    recompute_inline_attention: bool = _field(
+        False, "Attention computed inline, outside Transformers' attention interface (LongT5's, Longformer's and LED's "
+               "sparse attentions; the generic fallback's), runs again in backward from its input instead of keeping "
+               "what autograd saves inside it compressed: several times fewer bytes for a quarter more step time "
+               "(docs/RESULTS.md, \"Long-input attentions\").")
     module_bits: str = _field("", "Per-module overrides of the *_bits fields: a JSON object or a path to a JSON file.")
     exact_tokens: int | None = _field(
         None, "Tokens at the start of every sequence kept exact in every compressed kind ([CLS]: a classifier's "
@@ -186,7 +191,7 @@ class DivisionConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 what = "a non-negative" if least == 0 else "a positive"
                 raise ValueError(f"DivisionConfig.{name} must be {what} integer, got {value!r}")
-        for name in ("norm_row_scale", "dropout_bits", "generic_fallback"):
+        for name in ("norm_row_scale", "dropout_bits", "generic_fallback", "recompute_inline_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"DivisionConfig.{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("group_size", *(f"{kind}_group_size" for kind in PER_KIND_LAYOUT)):

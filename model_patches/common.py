@@ -5,9 +5,11 @@ import torch
 from torch import nn
 from transformers.activations import ACT2CLS
 
+from hf_division.patching.checkpointing import patch_recomputed
 from hf_division.patching.primitives import (
     patch_gated_body, patch_gated_mlp, patch_modules, patch_rotary, patch_saved, use_attention_interface,
 )
+from hf_division.patching.wrappers import config_for
 
 #: activation modules Transformers builds from ``config.hidden_act``
 ACTIVATIONS = tuple({cls if isinstance(cls, type) else cls[0] for cls in ACT2CLS.values()})
@@ -112,3 +114,15 @@ def patch_t5_gated_ff(state, ff: nn.Module) -> None:
     """T5's gated-GELU feed-forward (``wi_0``, ``wi_1``, ``dropout``, ``wo``, ``act``; T5 v1.1,
     mT5, umT5, LongT5): :func:`~hf_division.patching.primitives.patch_gated_body` around it."""
     patch_gated_body(state, ff, ff.act, _t5_gated_ff)
+
+
+def patch_inline_attention(state, attention: nn.Module) -> None:
+    """An attention computed inline, outside Transformers' attention interface: what autograd saves
+    inside it kept compressed where it is saved (``patch_saved``, the ``attention`` kind), or, with
+    ``recompute_inline_attention``, the module run again in backward from its input
+    (``patch_recomputed``): several times fewer bytes for a quarter more step time
+    (docs/RESULTS.md, "Long-input attentions")."""
+    if config_for(state, attention).recompute_inline_attention:
+        patch_recomputed(state, attention)
+    else:
+        patch_saved(state, attention, "attention")

@@ -23,7 +23,7 @@ from transformers.pytorch_utils import Conv1D
 from hf_division.patching.primitives import patch_gated_mlp, patch_modules, patch_saved, use_attention_interface
 from hf_division.registry import register_fallback
 
-from .common import ACTIVATIONS
+from .common import ACTIVATIONS, patch_inline_attention
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -84,7 +84,9 @@ def apply_division_generic(model, state):
             patch_gated_mlp(state, module)
     for module in model.modules():
         kind = _saved_kind(module, inline_attention)
-        if kind is not None:
+        if kind == "attention":
+            patch_inline_attention(state, module)
+        elif kind is not None:
             patch_saved(state, module, kind)
     norms = tuple({type(m) for m in model.modules() if _is_norm(m)} | {nn.LayerNorm})
     patch_modules(state, model, norm_types=norms, activation_types=ACTIVATIONS, conv1d_types=(Conv1D,))

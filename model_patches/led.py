@@ -5,20 +5,18 @@ interface to dispatch to).
 What autograd saves inside the encoder's self-attention (the chunked queries and keys, the banded
 probabilities) and inside the decoder's self- and cross-attention (the ``T x T`` and ``T x S``
 probabilities) is kept compressed where it is saved
-(:func:`~hf_division.patching.primitives.patch_saved`, the ``attention`` kind); the projections keep
+(:func:`~hf_division.patching.primitives.patch_saved`, the ``attention`` kind), or
+with ``recompute_inline_attention`` run again in backward from its input
+(:func:`~model_patches.common.patch_inline_attention`); the projections keep
 their own ops. The generic policy, as BART's (``model_patches/bart.py``), measured on tiny
 random-init models only.
 """
-import functools
-
 from transformers.models.led.modeling_led import LEDDecoderAttention, LEDEncoderSelfAttention
 
-from hf_division.patching.primitives import patch_saved
 from hf_division.registry import TrainingCache, register
 
-from .common import encoder_patcher, with_patches
+from .common import encoder_patcher, patch_inline_attention, with_patches
 
 apply_division_to_led = register("led", training_cache=TrainingCache.ENCODER_DECODER)(
-    with_patches(encoder_patcher(), ((LEDEncoderSelfAttention, LEDDecoderAttention),
-                                     functools.partial(patch_saved, kind="attention")))
+    with_patches(encoder_patcher(), ((LEDEncoderSelfAttention, LEDDecoderAttention), patch_inline_attention))
 )

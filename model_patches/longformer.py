@@ -4,19 +4,21 @@ attention interface to dispatch to).
 
 What autograd saves inside that attention (the chunked queries and keys, the banded scores'
 probabilities, the global tokens' own) is kept compressed where it is saved
-(:func:`~hf_division.patching.primitives.patch_saved`, the ``attention`` kind); its q/k/v projections,
+(:func:`~hf_division.patching.primitives.patch_saved`, the ``attention`` kind), or
+with ``recompute_inline_attention`` run again in backward from its input
+(:func:`~model_patches.common.patch_inline_attention`); its q/k/v projections,
 global ones included, keep their own ops. The encoder policy (every kind at 4 bits, no LFC, no
 outlier-token search) by analogy with BERT's, measured on tiny random-init models only.
 """
-import functools
-
 from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
 
-from hf_division.patching.primitives import patch_saved
 from hf_division.registry import register
 
-from .common import ENCODER_DEFAULTS, encoder_patcher, with_patches
+from .common import ENCODER_DEFAULTS, encoder_patcher, patch_inline_attention, with_patches
+
+#: the self-attention class, computed inline
+SPARSE_ATTENTION = (LongformerSelfAttention,)
 
 apply_division_to_longformer = register("longformer", defaults=ENCODER_DEFAULTS)(
-    with_patches(encoder_patcher(), (LongformerSelfAttention, functools.partial(patch_saved, kind="attention")))
+    with_patches(encoder_patcher(), (SPARSE_ATTENTION, patch_inline_attention))
 )

@@ -9,21 +9,18 @@ computed inline, in blocks, with no interface to dispatch to, so what autograd s
 kept compressed where it is saved (:func:`~hf_division.patching.primitives.patch_saved`, the
 ``attention`` kind): the q blocks, the three-block keys and values, and the float32 probabilities
 and dropped-out weights, each ``(batch, blocks, heads, block, 3 * block [+ globals])``, the
-encoder's largest saves. Recomputing the attention in backward from its input instead
-(:func:`~hf_division.patching.checkpointing.patch_recomputed`) held fewer bytes still but cost a
-quarter more step time (docs/RESULTS.md, "LongT5"). Checkpointing as T5's (``model_patches/t5.py``):
+encoder's largest saves. With ``recompute_inline_attention`` it runs again in backward from its
+input instead (:func:`~model_patches.common.patch_inline_attention`): fewer bytes still, for about a
+quarter more step time (docs/RESULTS.md, "Long-input attentions"). Checkpointing as T5's (``model_patches/t5.py``):
 the same block signature, and position biases passed from layer to layer.
 """
-import functools
-
 from transformers.models.longt5.modeling_longt5 import (
     LongT5DenseGatedActDense, LongT5LayerNorm, LongT5LocalAttention, LongT5TransientGlobalAttention,
 )
 
-from hf_division.patching.primitives import patch_saved
 from hf_division.registry import CheckpointForward, TrainingCache, register
 
-from .common import DECODER_DEFAULTS, encoder_patcher, patch_t5_gated_ff, with_patches
+from .common import DECODER_DEFAULTS, encoder_patcher, patch_inline_attention, patch_t5_gated_ff, with_patches
 
 #: the encoder's attention classes, computed inline
 SPARSE_ATTENTION = (LongT5LocalAttention, LongT5TransientGlobalAttention)
@@ -33,5 +30,5 @@ apply_division_to_longt5 = register("longt5", defaults=DECODER_DEFAULTS, trainin
                                     checkpoint_exact=("position_bias", "encoder_decoder_position_bias"))(
     with_patches(encoder_patcher(norm_types=(LongT5LayerNorm,)),
                  (LongT5DenseGatedActDense, patch_t5_gated_ff),
-                 (SPARSE_ATTENTION, functools.partial(patch_saved, kind="attention")))
+                 (SPARSE_ATTENTION, patch_inline_attention))
 )

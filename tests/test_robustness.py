@@ -170,6 +170,7 @@ def test_models_sharing_one_config(batch):
 @pytest.mark.parametrize("field,value,message", [
     ("linear_bits", 4.0, "linear_bits"), ("dropout_bits", "no", "dropout_bits"),
     ("generic_fallback", "yes", "generic_fallback"), ("norm_row_scale", 1, "norm_row_scale"),
+    ("recompute_inline_attention", "no", "recompute_inline_attention"),
     ("min_numel", -1, "min_numel must be a non-negative integer"), ("module_bits", {"bert": 4.0}, "module_bits"),
 ])
 def test_config_types_are_strict(field, value, message):

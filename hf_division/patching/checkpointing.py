@@ -44,10 +44,10 @@ def patch_recomputed(state: PatchState, module: nn.Module, kind: str = "attentio
     of its own: it saves nothing but its tensor inputs (compressed as a checkpoint's, the family's
     ``checkpoint_exact`` held as they are) and the RNG state, and backward runs it again under
     autograd. For code computed inline whose saves outweigh its inputs many times over, where memory
-    matters more than its forward run twice: on LongT5's block-sparse attention it held 1.4-1.5x
-    fewer bytes than keeping those saves compressed (``patch_saved``, LongT5's default) for a quarter
-    more step time (``scripts/longt5_attention.py``; docs/RESULTS.md, "LongT5"). Submodules keep their own
-    patches for the first forward; the recomputation runs them unpatched, as every checkpoint's."""
+    matters more than its forward run twice: the long-input families' sparse attentions under
+    ``recompute_inline_attention`` (``model_patches.common.patch_inline_attention``; their figures:
+    ``scripts/sparse_attention.py``, docs/RESULTS.md, "Long-input attentions"). Submodules keep their
+    own patches for the first forward; the recomputation runs them unpatched, as every checkpoint's."""
     config = config_for(state, module)
 
     def make(orig):

@@ -114,7 +114,7 @@ def test_longt5_sparse_encoder_attention(attention, checkpointing):
     saves inside it (q blocks, three-block keys and values, the probabilities) held compressed,
     and the gradient within the matrix's bounds over draws. Unpatched, those saves are the largest
     kind (2.5 of 7.0 MiB local, 3.5 of 8.1 MiB transient-global); held compressed, the kind holds
-    4.2x and 3.9x fewer bytes and the model 7.2x and 6.3x (``scripts/longt5_attention.py``). Left
+    4.2x and 3.9x fewer bytes and the model 7.2x and 6.3x (``scripts/sparse_attention.py``). Left
     exact, with only its projections' inputs compressed, the kind held 1.6x and 1.4x fewer."""
     model = _model(tf.LongT5ForConditionalGeneration, "longt5", "eager", encoder_attention_type=attention)
     if checkpointing:
@@ -137,16 +137,17 @@ def test_longt5_sparse_encoder_attention(attention, checkpointing):
 
 
 def test_longt5_attention_script_compares_hooking_with_recomputing():
-    """``scripts/longt5_attention.py`` (docs/RESULTS.md, "LongT5") on the tiny model: its three arms,
-    the attention recomputed (``patch_recomputed``) holding fewer bytes than division's saves
-    compressed where autograd saves them, both fewer than unpatched, both within the matrix's bounds."""
+    """``scripts/sparse_attention.py`` (docs/RESULTS.md, "Long-input attentions") on the tiny LongT5: its
+    three arms, the attention recomputed (``recompute_inline_attention``) holding fewer bytes than
+    division's default, its saves compressed where autograd saves them, both fewer than unpatched,
+    both within the matrix's bounds."""
     import os
     import re
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    command = [sys.executable, os.path.join(root, "scripts", "longt5_attention.py"), "--attention", "local",
+    command = [sys.executable, os.path.join(root, "scripts", "sparse_attention.py"), "--variants", "local",
                "--rounds", "1", "--draws", "1"]
     out = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=root)
     assert out.returncode == 0, out.stderr[-3000:]
