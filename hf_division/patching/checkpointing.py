@@ -12,6 +12,7 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from hf_division.autograd.ops import CheckpointFn
+from hf_division.autograd.saved_hooks import compressed_saves
 from hf_division.patching.wrappers import PatchState, config_for, in_training, wrap_forward
 
 
@@ -54,11 +55,35 @@ def patch_recomputed(state: PatchState, module: nn.Module, kind: str = "attentio
         def forward(self, *args, **kwargs):
             if not (in_training(self) and config.bits(kind)):
                 return orig(*args, **kwargs)
-            return _checkpointed(state, config, type(self).forward, self, False, args, kwargs)
+            anchored = _anchored(self, args, kwargs)
+            if anchored is None:  # no input to carry the parameters' gradients: keep its saves instead
+                with compressed_saves(config, kind):
+                    return orig(*args, **kwargs)
+            return _checkpointed(state, config, type(self).forward, self, False, *anchored)
 
         return forward
 
     wrap_forward(state, module, make)
+
+
+def _anchored(module: nn.Module, args: tuple, kwargs: dict):
+    """``(args, kwargs)``, where no tensor input needs a gradient but a parameter of ``module`` does,
+    with the hidden states (the first floating positional tensor, else ``hidden_states=``) made a
+    leaf that needs one; None where there is none to make. Why: :class:`CheckpointFn`, as reentrant
+    checkpointing, is recorded only for inputs that need a gradient, and its backward is what gives
+    the parameters theirs. A first layer's input, a frozen embedding's output, needs none (LoRA),
+    and without this its adapters got no gradient at all."""
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in (*args, *kwargs.values())):
+        return args, kwargs
+    if not any(p.requires_grad for p in module.parameters()):
+        return args, kwargs
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return (*args[:i], a.detach().requires_grad_(), *args[i + 1:]), kwargs
+    hidden = kwargs.get("hidden_states")
+    if isinstance(hidden, torch.Tensor) and hidden.is_floating_point():
+        return args, {**kwargs, "hidden_states": hidden.detach().requires_grad_()}
+    return None
 
 
 def _checkpointed(state: PatchState, config, inner, module: nn.Module, recorded: bool, args: tuple, kwargs: dict):

@@ -44,3 +44,28 @@ def test_recomputed_inline_attention(model_type, checkpointing):
         assert all(cosine(g, got[n]) >= 0.95 for n, g in exact.items() if g.norm() >= 0.01 * norm)
     hd.remove_division(model)
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("model_type", ["longt5", "longformer", "led"])
+def test_recomputed_inline_attention_with_lora(model_type):
+    """PEFT's LoRA on every linear layer, adapters' dropout on: the first layer's attention takes a
+    frozen embedding's output, which needs no gradient, and a recomputed module's parameters get
+    theirs only through a recorded node, so its input is made a leaf that needs one; without that
+    its adapters got no gradient at all. Every adapter's gradient present, within the LoRA sweep's
+    bounds (tests/model_patches/test_matrix_lora.py)."""
+    peft = pytest.importorskip("peft")
+    lora = peft.get_peft_model(tiny_model(model_type).train(), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False, lora_dropout=0.1))
+    batch = tiny_batch(batch=3, seq=37, pad_from=[37, 30, 20], model_type=model_type)
+    adapters = lambda name: "lora_" in name  # noqa: E731
+    torch.manual_seed(3)
+    ref = lora(**batch).logits
+    exact = named_grads(lora, batch, 0, select=adapters)
+    hd.apply_division(lora, RECOMPUTE)
+    torch.manual_seed(3)
+    assert torch.equal(ref, lora(**batch).logits)
+    got = named_grads(lora, batch, 0, select=adapters, noise_seed=1000)
+    assert set(got) == set(exact)
+    norm = torch.cat(list(exact.values())).norm()
+    assert cosine(torch.cat(list(exact.values())), torch.cat([got[n] for n in exact])) >= 0.975
+    assert all(cosine(g, got[n]) >= 0.9 for n, g in exact.items() if g.norm() >= 0.01 * norm)
