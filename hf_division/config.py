@@ -164,8 +164,8 @@ class DivisionConfig:
     dropout_bits: bool = _field(True, "Store dropout masks as 1 bit per element.")
     generic_fallback: bool = _field(False, "Patch model types without a registered patcher generically (with a warning).")
     recompute_inline_attention: bool = _field(
-        False, "Attention computed inline, outside Transformers' attention interface (LongT5's, Longformer's and LED's "
-               "sparse attentions; the generic fallback's), runs again in backward from its input instead of keeping "
+        False, "The attention the long-input families compute inline, outside Transformers' attention interface "
+               "(LongT5's, Longformer's and LED's), runs again in backward from its input instead of keeping "
                "what autograd saves inside it compressed: several times fewer bytes for a quarter more step time "
                "(docs/RESULTS.md, \"Long-input attentions\").")
     module_bits: str = _field("", "Per-module overrides of the *_bits fields: a JSON object or a path to a JSON file.")

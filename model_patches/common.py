@@ -121,7 +121,8 @@ def patch_inline_attention(state, attention: nn.Module) -> None:
     inside it kept compressed where it is saved (``patch_saved``, the ``attention`` kind), or, with
     ``recompute_inline_attention``, the module run again in backward from its input
     (``patch_recomputed``): several times fewer bytes for a quarter more step time
-    (docs/RESULTS.md, "Long-input attentions")."""
+    (docs/RESULTS.md, "Long-input attentions"). Only for a module whose random draws are torch's
+    (its dropout): the recomputation replays those and no others."""
     if config_for(state, attention).recompute_inline_attention:
         patch_recomputed(state, attention)
     else:

@@ -13,6 +13,10 @@ inline (DeBERTa; Falcon before Transformers 5.25), mixture-of-experts blocks (ex
 parameters), MLPs that are not the standard gated one (ModernBERT's fused ``Wi``), and modules that run a convolution
 front inline (Whisper's encoder). Dedicated patchers do better where they know the op (docs/ARCHITECTURES.md,
 "Generic fallback").
+
+``recompute_inline_attention`` does not apply here: a recomputation replays torch's random draws
+only, and an unknown attention may draw from elsewhere (BigBird's block-sparse attention picks its
+random blocks with NumPy in training), so that backward would differentiate another function.
 """
 import sys
 
@@ -23,7 +27,7 @@ from transformers.pytorch_utils import Conv1D
 from hf_division.patching.primitives import patch_gated_mlp, patch_modules, patch_saved, use_attention_interface
 from hf_division.registry import register_fallback
 
-from .common import ACTIVATIONS, patch_inline_attention
+from .common import ACTIVATIONS
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
@@ -84,9 +88,7 @@ def apply_division_generic(model, state):
             patch_gated_mlp(state, module)
     for module in model.modules():
         kind = _saved_kind(module, inline_attention)
-        if kind == "attention":
-            patch_inline_attention(state, module)
-        elif kind is not None:
+        if kind is not None:  # never recomputed here (recompute_inline_attention): see the module doc
             patch_saved(state, module, kind)
     norms = tuple({type(m) for m in model.modules() if _is_norm(m)} | {nn.LayerNorm})
     patch_modules(state, model, norm_types=norms, activation_types=ACTIVATIONS, conv1d_types=(Conv1D,))

@@ -110,3 +110,21 @@ def test_generic_fallback_keeps_a_gated_mlp_that_does_more():
 def _wrapper_of(module) -> str:
     """The qualified name of the patching primitive that wrapped ``module``'s forward."""
     return module.__dict__["forward"].__func__._division_make.__qualname__
+
+
+def test_generic_fallback_never_recomputes_inline_attention():
+    """``recompute_inline_attention`` leaves the generic fallback's inline attentions keeping their
+    saves: a recomputation replays torch's random draws only, and an attention the fallback does not
+    know may draw elsewhere (BigBird's block-sparse attention, with NumPy). Longformer's, with its
+    patcher hidden, holds the same bytes with the field on as off."""
+    from hf_division.analysis.measure import account
+
+    model = tiny_model("longformer").train()
+    batch = tiny_batch(batch=4, seq=64, model_type="longformer")
+    held = {}
+    with unregistered("longformer"), pytest.warns(UserWarning, match="generic fallback"):
+        for recompute in (False, True):
+            hd.apply_division(model, hd.DivisionConfig(generic_fallback=True, recompute_inline_attention=recompute))
+            held[recompute] = account(model, batch).by_kind
+            hd.remove_division(model)
+    assert held[True] == held[False] and held[True]["attention"] > 0
