@@ -32,29 +32,27 @@ from hf_division.analysis.measure import account
 from hf_division.bench.tiny_models import case, tiny_batch, tiny_config
 
 VOCAB = 512
-#: per model: its base config's fields, whether it generates (labels are tokens) and the config
-#: field its variants set
+#: per model: its base config's fields, and the config field its variants set and their values
 MODELS = {
-    "longt5": dict(generates=True, variant="encoder_attention_type",
+    "longt5": dict(variant=("encoder_attention_type", ["local", "transient-global"]),
                    base=dict(d_model=512, d_ff=1024, num_layers=2, num_decoder_layers=2, num_heads=8, d_kv=64,
                              local_radius=127, global_block_size=16, feed_forward_proj="gated-gelu", pad_token_id=0,
                              eos_token_id=1, decoder_start_token_id=0)),
-    "longformer": dict(generates=False, variant=None,
+    "longformer": dict(variant=None,
                        base=dict(hidden_size=512, num_hidden_layers=2, num_attention_heads=8, intermediate_size=2048,
                                  attention_window=512, num_labels=3, pad_token_id=1)),
-    "led": dict(generates=True, variant=None,
+    "led": dict(variant=None,
                 base=dict(d_model=512, encoder_layers=2, decoder_layers=2, encoder_attention_heads=8,
                           decoder_attention_heads=8, encoder_ffn_dim=2048, decoder_ffn_dim=2048, attention_window=512,
                           max_decoder_position_embeddings=1024, pad_token_id=1, eos_token_id=2,
                           decoder_start_token_id=2)),
 }
-VARIANTS = {"longt5": ["local", "transient-global"]}
 
 
 def build(model: str, shape: str, tokens: int, variant: str | None):
     torch.manual_seed(0)
     spec = MODELS[model]
-    fields = {spec["variant"]: variant} if variant else {}
+    fields = {spec["variant"][0]: variant} if variant else {}
     if shape == "tiny":
         config = tiny_config(model, "eager", **fields)
     else:
@@ -70,7 +68,8 @@ def batch_for(model: str, shape: str, batch: int, tokens: int) -> dict:
         ends = [max(2, tokens - d) for d in (0, 5, 17, 30, 42, 55, 67, 80)[:batch]]
         return tiny_batch(batch=batch, seq=tokens, pad_from=ends, model_type=model)
     g = torch.Generator().manual_seed(0)
-    labels = (torch.randint(5, VOCAB, (batch, 64), generator=g) if MODELS[model]["generates"]
+    generates = case(model).auto is tf.AutoModelForSeq2SeqLM  # labels are tokens, else a class
+    labels = (torch.randint(5, VOCAB, (batch, 64), generator=g) if generates
               else torch.randint(0, 3, (batch,), generator=g))
     return dict(input_ids=torch.randint(5, VOCAB, (batch, tokens), generator=g),
                 attention_mask=torch.ones(batch, tokens, dtype=torch.long), labels=labels)
@@ -128,7 +127,7 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--draws", type=int, default=3)
     args = parser.parse_args(argv)
-    for variant in args.variants or VARIANTS.get(args.model, [None]):
+    for variant in args.variants or (MODELS[args.model]["variant"] or (None, [None]))[1]:
         compare(args.model, args.shape, variant, args.batch, args.tokens, args.rounds, args.draws)
 
 

@@ -1,6 +1,6 @@
 """Recomputation primitives: a layer Transformers checkpoints, and a module division recomputes in
 backward on its own account, each run as one :class:`~hf_division.autograd.ops.CheckpointFn` whose
-tensor inputs are kept compressed (docs/DESIGN.md, "Activation checkpointing").
+tensor inputs are kept compressed (docs/DESIGN.md, "Mechanism: custom autograd Functions at module level").
 """
 from __future__ import annotations
 
@@ -120,5 +120,3 @@ def _reentrant(layer: nn.Module) -> bool:
 def _call_split(fn, module, n_args: int, names: list, kwargs: dict, *inputs):
     """``fn(module, *inputs[:n_args], **kwargs, **{names: the rest of inputs})``."""
     return fn(module, *inputs[:n_args], **kwargs, **dict(zip(names, inputs[n_args:])))
-
-
