@@ -136,7 +136,7 @@ def test_longt5_sparse_encoder_attention(attention, checkpointing):
     assert found.worst >= 0.985 and found.worst_tensor[1] >= 0.95, found.summary()
 
 
-def test_longt5_attention_script_compares_hooking_with_recomputing():
+def test_sparse_attention_script_compares_hooking_with_recomputing():
     """``scripts/sparse_attention.py`` (docs/RESULTS.md, "Long-input attentions") on the tiny LongT5: its
     three arms, the attention recomputed (``recompute_inline_attention``) holding fewer bytes than
     division's default, its saves compressed where autograd saves them, both fewer than unpatched,
